@@ -1,0 +1,31 @@
+# rankserve: `make run` sets up and runs the service demo on the bundled model; `make test` runs the tests.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PYTEST_ARGS ?=
+
+.PHONY: setup run test test-fast redis clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0  # the CPU build; a bare `torch` would pull a multi-GB CUDA build
+	$(BIN)/pip install -q -e '.[serve,triton,bench,dev]'
+	touch $@
+
+redis:
+	@bash scripts/ensure_redis.sh
+
+run: setup redis
+	$(BIN)/python -m rankserve.deployments.demo
+
+test: setup redis
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not serve and not slow" $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .cache build *.egg-info

@@ -1,0 +1,7 @@
+"""Rank cache: MiniLM prompt embeddings -> PARSE rank subsets, Redis as the truth, a local FAISS index per replica."""
+
+from .cache import Hit, RankCache, RankIndex
+from .embedder import DIM, Embedder
+from .store import KEY_SCHEMA, RedisStore
+
+__all__ = ["DIM", "Embedder", "Hit", "KEY_SCHEMA", "RankCache", "RankIndex", "RedisStore"]

@@ -1,0 +1,151 @@
+"""Native checkpoint: round trip, factorized == dense U·V, shared bases, validation errors, atomic writes.
+
+Run alone: .venv/bin/python -m pytest tests/test_checkpoint.py -q
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from rankserve.workers.checkpoint import CheckpointError, Manifest, load_checkpoint, save_checkpoint
+from rankserve.workers.config import ModelConfig
+from rankserve.workers.model import PROJS, Transformer, proj_name
+
+CFG = ModelConfig(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=4, num_attention_heads=6,
+                  num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _random_model(ranks=None, groups=None, seed=0) -> Transformer:
+    torch.manual_seed(seed)
+    m = Transformer(CFG, ranks or {}, groups or {})
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    return m.eval()
+
+
+def _ranks(r_attn=5, r_mlp=7):
+    return {proj_name(i, p): (r_attn if p in "qkvo" else r_mlp) for i in range(CFG.num_hidden_layers) for p in PROJS}
+
+
+def _dense_from(m: Transformer) -> Transformer:
+    d = Transformer(CFG, {}, {})
+    sd = {k: v for k, v in m.state_dict().items() if not k.endswith((".U", ".V")) and not k.startswith("bases.")}
+    for name, lin in m.projections().items():
+        sd[f"{name}.weight"] = lin.dense_weight().detach()
+    d.load_state_dict(sd)
+    return d.eval()
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def test_factorized_equals_dense_product(tmp_path):
+    m = _random_model(_ranks())
+    path = save_checkpoint(tmp_path / "fact", m, Manifest(family="test", ranks={}))
+    loaded, man = load_checkpoint(path)
+    tokens = torch.randint(0, CFG.vocab_size, (2, 17))
+    with torch.no_grad():
+        assert _rel(loaded(tokens), _dense_from(m)(tokens)) <= 1e-5
+    assert man.ranks["layers.0.attn.q"] == 5 and man.ranks["layers.3.mlp.down"] == 7
+    kept = sum(r * (o + i) for (o, i), r in [(CFG.linear_shapes()[p], 5 if p in "qkvo" else 7) for p in PROJS]) * 4
+    assert man.kept_params == kept and abs(man.keep - kept / CFG.dense_linear_params()) < 1e-6
+
+
+def test_shared_basis_one_storage_and_stored_once(tmp_path):
+    ranks = _ranks(6, 8)
+    groups = {f"{p}.{a}-{a + 1}": [proj_name(a, p), proj_name(a + 1, p)] for p in ("q", "k", "v", "gate", "up")
+              for a in (0, 2)}
+    m = _random_model(ranks, groups)
+    path = save_checkpoint(tmp_path / "bs", m, Manifest(family="basis-sharing", ranks={}))
+    loaded, man = load_checkpoint(path)
+    projs = loaded.projections()
+    for g, (a, b) in man.groups.items():
+        assert projs[a].V is projs[b].V and projs[a].V.data_ptr() == projs[b].V.data_ptr(), g
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "bases.q.0-1.V" in keys and "layers.0.attn.q.V" not in keys and "layers.1.attn.q.V" not in keys
+    assert "layers.0.attn.o.V" in keys  # private projections keep their own V
+    tokens = torch.randint(0, CFG.vocab_size, (1, 11))
+    with torch.no_grad():
+        assert _rel(loaded(tokens), _dense_from(m)(tokens)) <= 1e-5
+    # the shared basis is counted once in the keep ratio
+    shared = sum(6 * CFG.linear_shapes()[p][1] for p in ("q", "k", "v")) + sum(8 * CFG.hidden_size for _ in ("gate", "up"))
+    assert man.kept_params == sum(r * (o + i) for (o, i), r in
+                                  [(CFG.linear_shapes()[p], 6 if p in "qkvo" else 8) for p in PROJS]) * 4 - 2 * shared
+
+
+def _save_dense(tmp_path) -> Path:
+    return save_checkpoint(tmp_path / "dense", _random_model(), Manifest(family="dense", ranks={}))
+
+
+def test_wrong_shape_names_the_tensor(tmp_path):
+    path = _save_dense(tmp_path)
+    sd = load_file(str(path / "model.safetensors"))
+    sd["layers.2.mlp.up.weight"] = torch.randn(80, 47)
+    save_file(sd, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"layers\.2\.mlp\.up\.weight has shape \[80, 47\], expected \[80, 48\]"):
+        load_checkpoint(path)
+
+
+def test_missing_tensor_and_rank_too_large(tmp_path):
+    path = _save_dense(tmp_path)
+    sd = load_file(str(path / "model.safetensors"))
+    del sd["norm.weight"]
+    save_file(sd, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="lacks tensor norm.weight"):
+        load_checkpoint(path)
+    m = json.loads((path / "rankserve.json").read_text())
+    m["ranks"]["layers.0.attn.k"] = 40  # k is [16, 48]: rank 40 > 16
+    (path / "rankserve.json").write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match=r"layers\.0\.attn\.k: rank 40 exceeds min\(out, in\) = 16"):
+        load_checkpoint(path)
+
+
+def test_missing_files(tmp_path):
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        load_checkpoint(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="lacks config.json"):
+        load_checkpoint(tmp_path / "empty")
+
+
+def test_bad_group(tmp_path):
+    m = _random_model(_ranks())
+    path = save_checkpoint(tmp_path / "g", m, Manifest(family="x", ranks={}))
+    man = json.loads((path / "rankserve.json").read_text())
+    man["groups"] = {"mixed": ["layers.0.attn.q", "layers.0.mlp.up"]}
+    (path / "rankserve.json").write_text(json.dumps(man))
+    with pytest.raises(CheckpointError, match="mixes projection types"):
+        load_checkpoint(path)
+
+
+def test_atomic_write_leaves_nothing_on_failure(tmp_path):
+    m = _random_model()
+
+    class Boom(Exception):
+        pass
+
+    class BadManifest(Manifest):
+        def to_json(self):
+            raise Boom()
+
+    with pytest.raises(Boom):
+        save_checkpoint(tmp_path / "out", m, BadManifest(family="x", ranks={}))
+    assert list(tmp_path.iterdir()) == []
+    save_checkpoint(tmp_path / "out", m, Manifest(family="x", ranks={}))
+    with pytest.raises(CheckpointError, match="already exists"):
+        save_checkpoint(tmp_path / "out", m, Manifest(family="x", ranks={}))
+
+
+def test_bf16_load(tmp_path):
+    path = save_checkpoint(tmp_path / "m", _random_model(_ranks()), Manifest(family="x", ranks={}))
+    m, _ = load_checkpoint(path, dtype=torch.bfloat16)
+    assert m.embed.weight.dtype == torch.bfloat16
+    out = m(torch.randint(0, CFG.vocab_size, (1, 5)))
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()

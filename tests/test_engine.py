@@ -1,0 +1,83 @@
+"""Engine: greedy text of the bundled model, batching, streaming, stop handling, sampling.
+
+Run alone: .venv/bin/python -m pytest tests/test_engine.py -q
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rankserve.workers.engine import Engine
+from rankserve.workers.sampler import SamplingParams, sample
+
+BUNDLED = Path(__file__).resolve().parents[1] / "models" / "stories260K"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.load(BUNDLED)
+
+
+def test_bundled_model_tells_its_story(engine):
+    r = engine.generate("", SamplingParams(max_new_tokens=40))
+    assert r.text.startswith("Once upon a time, there was a little girl named Lily. She loved to play outside")
+    assert r.num_prompt_tokens == 1 and r.finish_reason == "length" and len(r.token_ids) == 40
+
+
+def test_batch_equals_single(engine):
+    prompts = ["Once upon a time", "The dog", "Lily and Ben went to the park"]
+    params = [SamplingParams(max_new_tokens=n) for n in (12, 20, 7)]
+    batch = engine.generate_batch(prompts, params)
+    for p, sp, b in zip(prompts, params, batch):
+        single = engine.generate(p, sp)
+        assert single.token_ids == b.token_ids and single.text == b.text
+
+
+def test_stream_concatenates_to_generate(engine):
+    sp = SamplingParams(max_new_tokens=30, stop=("park",))
+    events = list(engine.stream("Once upon a time", sp))
+    full = engine.generate("Once upon a time", sp)
+    assert "".join(e.text for e in events) == full.text
+    assert events[-1].finish_reason == full.finish_reason
+    assert all(e.finish_reason is None for e in events[:-1])
+
+
+def test_stop_string_cuts_text(engine):
+    r = engine.generate("", SamplingParams(max_new_tokens=40, stop=("Lily",)))
+    assert r.finish_reason == "stop" and r.text == "Once upon a time, there was a little girl named "
+
+
+def test_stop_token(engine):
+    first = engine.generate("", SamplingParams(max_new_tokens=5)).token_ids
+    r = engine.generate("", SamplingParams(max_new_tokens=5, stop_token_ids=(first[2],)))
+    assert r.finish_reason == "stop" and r.token_ids == first[:2]
+
+
+def test_seeded_sampling_reproducible(engine):
+    sp = SamplingParams(max_new_tokens=20, temperature=1.0, top_p=0.9, seed=7)
+    a, b = engine.generate("The cat", sp), engine.generate("The cat", sp)
+    assert a.token_ids == b.token_ids
+    c = engine.generate("The cat", SamplingParams(max_new_tokens=20, temperature=1.0, top_p=0.9, seed=8))
+    assert c.token_ids != a.token_ids
+
+
+def test_top_k_and_top_p_restrict_support():
+    torch.manual_seed(0)
+    logits = torch.randn(50)
+    g = torch.Generator().manual_seed(0)
+    top3 = set(torch.topk(logits, 3).indices.tolist())
+    assert {sample(logits, SamplingParams(temperature=1.0, top_k=3), g) for _ in range(200)} <= top3
+    probs = torch.softmax(logits, -1)
+    order = torch.argsort(probs, descending=True)
+    need = int((torch.cumsum(probs[order], 0) < 0.5).sum()) + 1  # smallest prefix with mass >= 0.5
+    allowed = set(order[:need].tolist())
+    assert {sample(logits, SamplingParams(temperature=1.0, top_p=0.5), g) for _ in range(300)} <= allowed
+
+
+def test_bad_params_and_long_prompt(engine):
+    for kw in (dict(max_new_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-1)):
+        with pytest.raises(ValueError):
+            SamplingParams(**kw)
+    with pytest.raises(ValueError, match="context limit"):
+        engine.generate("Once upon a time " * 200)

@@ -1,0 +1,269 @@
+"""The native checkpoint: a directory with config.json, rankserve.json, model.safetensors and tokenizer files.
+
+Tensor names (U [out, r], V [r, in], y = U (V x)):
+    embed.weight, norm.weight, lm_head.weight (absent when tied)
+    layers.{i}.attn_norm.weight, layers.{i}.mlp_norm.weight
+    layers.{i}.{attn|mlp}.{q,k,v,o,gate,up,down}.U / .V      factorized projection
+    layers.{i}.{attn|mlp}.{proj}.weight                       dense projection
+    bases.{group}.V                                          a shared basis, stored once; members store only U
+rankserve.json: format_version, family, source, provenance, keep (achieved), kept_params, dense_params,
+ranks {projection: rank | null}, groups {group: [projection, ...]}, methods {...}.
+
+Writes go to a temporary sibling directory renamed into place when complete; no pickles are written.
+Loading validates every shape, rank and group and names the offending tensor in its error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from rankserve.workers.config import ModelConfig
+from rankserve.workers.model import PROJS, Transformer, _group_key, proj_name
+
+FORMAT_VERSION = 1
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.bin", "generation_config.json")
+NON_TENSOR_FILES = ("LICENSE", "LICENSE.txt", "README.md", "NOTICE")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, malformed or inconsistent; the message says which file or tensor."""
+
+
+@dataclass
+class Manifest:
+    family: str
+    ranks: dict[str, int | None]
+    groups: dict[str, list[str]] = field(default_factory=dict)
+    source: str = ""
+    provenance: dict[str, Any] = field(default_factory=dict)
+    keep: float = 1.0  # achieved fraction of dense decoder-linear parameters kept (a shared basis counted once)
+    kept_params: int = 0
+    dense_params: int = 0
+    methods: dict[str, Any] = field(default_factory=dict)  # PARSE routers, GSI bases, STAR-KV state
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(format_version=self.format_version, family=self.family, source=self.source,
+                    provenance=self.provenance, keep=self.keep, kept_params=self.kept_params,
+                    dense_params=self.dense_params, ranks=self.ranks, groups=self.groups, methods=self.methods)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Manifest":
+        if d.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(f"rankserve.json format_version {d.get('format_version')!r} is not supported "
+                                  f"(this rankserve reads version {FORMAT_VERSION})")
+        for k in ("family", "ranks"):
+            if k not in d:
+                raise CheckpointError(f"rankserve.json lacks the field {k!r}")
+        return cls(family=d["family"], ranks=dict(d["ranks"]), groups={g: list(m) for g, m in d.get("groups", {}).items()},
+                   source=d.get("source", ""), provenance=d.get("provenance", {}), keep=float(d.get("keep", 1.0)),
+                   kept_params=int(d.get("kept_params", 0)), dense_params=int(d.get("dense_params", 0)),
+                   methods=d.get("methods", {}))
+
+
+def count_params(cfg: ModelConfig, ranks: dict[str, int | None], groups: dict[str, list[str]]) -> tuple[int, int]:
+    """(kept, dense) decoder-linear parameters; a shared basis counts once per group."""
+    shapes = cfg.linear_shapes()
+    grouped = {m for members in groups.values() for m in members}
+    kept = 0
+    for i in range(cfg.num_hidden_layers):
+        for p in PROJS:
+            name, (out, inp) = proj_name(i, p), shapes[p]
+            r = ranks.get(name)
+            if r is None:
+                kept += out * inp
+            else:
+                kept += out * r + (0 if name in grouped else r * inp)
+    for members in groups.values():
+        proj = members[0].rsplit(".", 1)[1]
+        kept += ranks[members[0]] * shapes[proj][1]
+    return kept, cfg.dense_linear_params()
+
+
+def model_tensors(model: Transformer) -> dict[str, torch.Tensor]:
+    """The tensors to store for `model`, each shared basis once under `bases.{group}.V`."""
+    grouped = {m for members in model.groups.values() for m in members}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        if name.startswith("bases."):
+            continue
+        if name.endswith(".V") and name[:-2] in grouped:
+            continue
+        out[name] = t
+    for g in model.groups:
+        out[f"bases.{g}.V"] = model.bases[_group_key(g)].data
+    return {k: v.detach().contiguous().cpu() for k, v in out.items()}
+
+
+def save_checkpoint(out_dir: str | Path, model: Transformer, manifest: Manifest,
+                    tokenizer_dir: str | Path | None = None, extra_files: dict[str, bytes] | None = None,
+                    dtype: torch.dtype | None = None, overwrite: bool = False,
+                    method_tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write a native checkpoint atomically: a temp dir next to `out_dir`, renamed into place when complete."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise CheckpointError(f"{out_dir} already exists; choose another output path or remove it first")
+    cfg = model.cfg
+    manifest.ranks = {n: (None if l.rank is None else int(l.rank)) for n, l in model.projections().items()}
+    manifest.groups = model.groups
+    manifest.kept_params, manifest.dense_params = count_params(cfg, manifest.ranks, manifest.groups)
+    manifest.keep = round(manifest.kept_params / manifest.dense_params, 6)
+    tensors = model_tensors(model)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    for k, v in (method_tensors or {}).items():  # e.g. "parse.layers.0.attn.q.router" -> methods.parse....
+        tensors[f"methods.{k}"] = v.detach().contiguous().cpu()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        hf = cfg.to_hf()
+        hf["torch_dtype"] = str(tensors["embed.weight"].dtype).replace("torch.", "")
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        (tmp / "rankserve.json").write_text(json.dumps(manifest.to_json(), indent=2) + "\n")
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "rankserve"})
+        if tokenizer_dir is not None:
+            for name in TOKENIZER_FILES + NON_TENSOR_FILES:
+                src = Path(tokenizer_dir) / name
+                if src.is_file():
+                    shutil.copyfile(src, tmp / name)
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is an ordinary readable directory
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+        if out_dir.exists():  # overwrite: swap the old one out only once the new one is complete
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            os.replace(out_dir, old / "x")
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def read_config(path: str | Path) -> tuple[ModelConfig, Manifest]:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory (a native rankserve checkpoint is a directory)")
+    for name in ("config.json", "rankserve.json", "model.safetensors"):
+        if not (path / name).is_file():
+            hint = " (a dense HF or foreign checkpoint? convert it with `rankserve import`)" if name == "rankserve.json" else ""
+            raise CheckpointError(f"{path} lacks {name}{hint}")
+    try:
+        cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+        manifest = Manifest.from_json(json.loads((path / "rankserve.json").read_text()))
+    except (json.JSONDecodeError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    return cfg, manifest
+
+
+def _validate(cfg: ModelConfig, manifest: Manifest, shapes_on_disk: dict[str, tuple[int, ...]]) -> None:
+    shapes = cfg.linear_shapes()
+    expected: dict[str, tuple[int, ...]] = {
+        "embed.weight": (cfg.vocab_size, cfg.hidden_size), "norm.weight": (cfg.hidden_size,)}
+    if not cfg.tie_word_embeddings:
+        expected["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    grouped: dict[str, str] = {}
+    for g, members in manifest.groups.items():
+        if not members:
+            raise CheckpointError(f"group {g!r} has no members")
+        projs = {m.rsplit(".", 1)[-1] for m in members}
+        if len(projs) != 1:
+            raise CheckpointError(f"group {g!r} mixes projection types {sorted(projs)}; members must share an input size")
+        rset = {manifest.ranks.get(m) for m in members}
+        if len(rset) != 1 or None in rset:
+            raise CheckpointError(f"group {g!r}: members must be factorized with one rank, got {sorted(map(str, rset))}")
+        for m in members:
+            if m in grouped:
+                raise CheckpointError(f"{m} is in two groups ({grouped[m]!r} and {g!r})")
+            grouped[m] = g
+        expected[f"bases.{g}.V"] = (rset.pop(), shapes[projs.pop()][1])
+    known = set()
+    for i in range(cfg.num_hidden_layers):
+        expected[f"layers.{i}.attn_norm.weight"] = (cfg.hidden_size,)
+        expected[f"layers.{i}.mlp_norm.weight"] = (cfg.hidden_size,)
+        for p in PROJS:
+            name, (out, inp) = proj_name(i, p), shapes[p]
+            known.add(name)
+            if name not in manifest.ranks:
+                raise CheckpointError(f"rankserve.json ranks lack {name}")
+            r = manifest.ranks[name]
+            if r is None:
+                expected[f"{name}.weight"] = (out, inp)
+                continue
+            if not isinstance(r, int) or r <= 0:
+                raise CheckpointError(f"{name}: rank must be a positive integer or null, got {r!r}")
+            if r > min(out, inp):
+                raise CheckpointError(f"{name}: rank {r} exceeds min(out, in) = {min(out, inp)}")
+            expected[f"{name}.U"] = (out, r)
+            if name not in grouped:
+                expected[f"{name}.V"] = (r, inp)
+    unknown = set(manifest.ranks) - known
+    if unknown:
+        raise CheckpointError(f"rankserve.json ranks name projections the config does not have: {sorted(unknown)[:3]}")
+    for g, members in manifest.groups.items():
+        for m in members:
+            if m not in known:
+                raise CheckpointError(f"group {g!r} names unknown projection {m}")
+    for name, shape in expected.items():
+        if name not in shapes_on_disk:
+            raise CheckpointError(f"model.safetensors lacks tensor {name} (expected shape {list(shape)})")
+        if tuple(shapes_on_disk[name]) != tuple(shape):
+            raise CheckpointError(f"tensor {name} has shape {list(shapes_on_disk[name])}, expected {list(shape)}")
+    extra = set(shapes_on_disk) - set(expected)
+    extra = {e for e in extra if not e.startswith("methods.")}  # method state (PARSE routers, ...) is checked by its owner
+    if extra:
+        raise CheckpointError(f"model.safetensors holds unexpected tensors, e.g. {sorted(extra)[:3]}")
+
+
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
+                    dtype: torch.dtype | None = None) -> tuple[Transformer, Manifest]:
+    """Load and validate a native checkpoint into a `Transformer` on `device` (dtype default: as stored)."""
+    path = Path(path)
+    cfg, manifest = read_config(path)
+    try:
+        f = safe_open(str(path / "model.safetensors"), framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises several types for a corrupt header
+        raise CheckpointError(f"{path / 'model.safetensors'} is not a readable safetensors file: {e}") from None
+    with f:
+        names = list(f.keys())
+        shapes = {n: tuple(f.get_slice(n).get_shape()) for n in names}
+        _validate(cfg, manifest, shapes)
+        stored = f.get_slice("embed.weight").get_dtype()
+        store_dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(stored, torch.float32)
+        dtype = dtype or store_dtype
+        model = Transformer(cfg, manifest.ranks, manifest.groups, device=device, dtype=dtype)  # torch.empty: no init cost
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name in names:
+                if name.startswith("methods."):
+                    continue
+                t = f.get_tensor(name)
+                target = params[f"bases.{_group_key(name[6:-2])}"] if name.startswith("bases.") else params[name]
+                target.copy_(t.to(dtype))
+    model.eval()
+    return model, manifest
+
+
+def read_method_tensors(path: str | Path, prefix: str) -> dict[str, torch.Tensor]:
+    """Tensors stored under `methods.{prefix}.` (e.g. PARSE routers), without the prefix."""
+    out = {}
+    with safe_open(str(Path(path) / "model.safetensors"), framework="pt", device="cpu") as f:
+        for n in f.keys():
+            if n.startswith(f"methods.{prefix}."):
+                out[n[len(f"methods.{prefix}."):]] = f.get_tensor(n)
+    return out

@@ -1,0 +1,155 @@
+"""Engine: prompts in, tokens out. Holds one model, its tokenizer and the generation loop.
+
+generate → prefill (the whole batch, right-padded, into a fresh dense KV cache) → decode steps (one token
+per row per step) until every row hits EOS, a stop token or string, or its token budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from rankserve.workers.checkpoint import Manifest, load_checkpoint
+from rankserve.workers.kv_cache import KVCache
+from rankserve.workers.model import Transformer
+from rankserve.workers.sampler import SamplingParams, sample
+from rankserve.workers.tokenizer import Tokenizer
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    finish_reason: str  # "stop" | "length"
+
+
+@dataclass
+class StreamEvent:
+    token_id: int
+    text: str  # new text since the previous event (may be empty while a stop string is undecided)
+    finish_reason: str | None = None
+
+
+class _Row:
+    """Decoding state of one request: its tokens, the text already released, and why it stopped."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, eos: tuple[int, ...]) -> None:
+        self.prompt_ids, self.params = prompt_ids, params
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
+        self.gen = params.generator() if params.temperature > 0 else None
+        self.ids: list[int] = []
+        self.released = ""
+        self.finish: str | None = None
+
+    def push(self, token: int, tok: Tokenizer) -> str:
+        """Append a token; return the newly releasable text and set `finish` when the row is done."""
+        if token in self.stop_ids:
+            self.finish = "stop"
+            return ""
+        self.ids.append(token)
+        text = tok.decode(self.ids)
+        for s in self.params.stop:
+            at = text.find(s)
+            if at >= 0:
+                self.finish, text = "stop", text[:at]
+        if self.finish is None and len(self.ids) >= self.params.max_new_tokens:
+            self.finish = "length"
+        if self.finish is None:
+            text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for its next byte
+            hold = max((len(s) - 1 for s in self.params.stop), default=0)
+            for n in range(min(hold, len(text)), 0, -1):  # hold back a tail that may start a stop string
+                if any(s.startswith(text[-n:]) for s in self.params.stop):
+                    text = text[:-n]
+                    break
+        delta = text[len(self.released):] if text.startswith(self.released) else ""
+        self.released = text if text.startswith(self.released) else self.released
+        return delta
+
+
+class Engine:
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, manifest: Manifest | None = None,
+                 max_batch_size: int = 8, max_seq_len: int | None = None) -> None:
+        self.model, self.tokenizer, self.manifest = model, tokenizer, manifest
+        self.cfg = model.cfg
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = min(max_seq_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
+        self.device = model.embed.weight.device
+        self.eos = self.cfg.eos_ids or ((tokenizer.eos_id,) if tokenizer.eos_id is not None else ())
+
+    @classmethod
+    def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
+             max_batch_size: int = 8, max_seq_len: int | None = None) -> "Engine":
+        if dtype is None:
+            dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+        model, manifest = load_checkpoint(model_dir, device=device, dtype=dtype)
+        return cls(model, Tokenizer.load(model_dir), manifest, max_batch_size, max_seq_len)
+
+    # --- public API ------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str, params: SamplingParams) -> list[int]:
+        ids = self.tokenizer.encode(prompt, bos=True)
+        if len(ids) + 1 > self.max_seq_len:
+            raise ValueError(f"prompt is {len(ids)} tokens; the context limit is {self.max_seq_len} tokens")
+        return ids
+
+    def generate(self, prompt: str, params: SamplingParams | None = None, subset: dict | None = None) -> GenerationResult:
+        return self.generate_batch([prompt], [params or SamplingParams()], subset)[0]
+
+    def generate_batch(self, prompts: list[str], params: list[SamplingParams],
+                       subset: dict | None = None) -> list[GenerationResult]:
+        rows = [_Row(self.encode_prompt(p, sp), sp, self.eos) for p, sp in zip(prompts, params)]
+        for _ in self._decode(rows, subset):
+            pass
+        return [GenerationResult(r.released, r.ids, len(r.prompt_ids), r.finish or "length") for r in rows]
+
+    def stream(self, prompt: str, params: SamplingParams | None = None, subset: dict | None = None) -> Iterator[StreamEvent]:
+        """Yield one event per generated token; closing the generator cancels the request."""
+        row = _Row(self.encode_prompt(prompt, params or SamplingParams()), params or SamplingParams(), self.eos)
+        for step in self._decode([row], subset):
+            token, delta = step[0]
+            yield StreamEvent(token, delta, row.finish)
+
+    def rank_subset(self, prompt: str) -> dict | None:
+        """PARSE rank subset chosen for `prompt`; None for a model without PARSE routers."""
+        return None
+
+    # --- the loop --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _decode(self, rows: list[_Row], subset: dict | None) -> Iterator[list[tuple[int, str]]]:
+        if subset is not None:
+            raise ValueError("this model has no PARSE rank experts; it cannot take a rank subset")
+        if len(rows) > self.max_batch_size:
+            raise ValueError(f"batch of {len(rows)} exceeds max_batch_size {self.max_batch_size}")
+        B = len(rows)
+        lens = [len(r.prompt_ids) for r in rows]
+        budget = max(l + r.params.max_new_tokens for l, r in zip(lens, rows))
+        S_max = min(budget, self.max_seq_len)
+        cfg = self.cfg
+        cache = KVCache(cfg.num_hidden_layers, B, S_max, cfg.num_key_value_heads, cfg.head_dim,
+                        device=self.device, dtype=self.model.embed.weight.dtype)
+        tokens = torch.zeros(B, max(lens), dtype=torch.long)
+        for b, r in enumerate(rows):
+            tokens[b, :lens[b]] = torch.tensor(r.prompt_ids)
+        lengths = torch.tensor(lens, dtype=torch.int32, device=self.device)
+        logits = self.model(tokens.to(self.device), cache, lengths, last_only=True)  # (B, V)
+        pos = list(lens)
+        while True:
+            step = []
+            for b, r in enumerate(rows):
+                if r.finish is not None:
+                    step.append((-1, ""))
+                    continue
+                t = sample(logits[b], r.params, r.gen)
+                step.append((t, r.push(t, self.tokenizer)))
+                pos[b] += 1
+                if r.finish is None and pos[b] >= S_max:  # out of context
+                    r.finish = "length"
+            yield step
+            if all(r.finish is not None for r in rows):
+                return
+            nxt = torch.tensor([[max(t, 0)] for t, _ in step], dtype=torch.long, device=self.device)
+            active = torch.tensor([r.finish is None for r in rows], dtype=torch.int32, device=self.device)
+            logits = self.model(nxt, cache, active, last_only=True)  # finished rows: length 0, cache untouched

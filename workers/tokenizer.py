@@ -1,0 +1,50 @@
+"""Tokenizer of a model directory: HF `tokenizer.json` (tokenizers) or SentencePiece `tokenizer.model`.
+
+Encoding never adds special tokens by itself; `encode(text, bos=True)` prepends the BOS id explicitly,
+so every backend behaves the same way (llama2.c and HF LLaMA both start a prompt with BOS).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class Tokenizer:
+    def __init__(self, backend: str, impl, bos_id: int | None, eos_id: int | None, vocab_size: int) -> None:
+        self.backend, self._impl = backend, impl
+        self.bos_id, self.eos_id, self.vocab_size = bos_id, eos_id, vocab_size
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> "Tokenizer":
+        d = Path(model_dir)
+        cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else {}
+        eos = cfg.get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) else eos
+        if (d / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer as HFTokenizer
+
+            tok = HFTokenizer.from_file(str(d / "tokenizer.json"))
+            bos = cfg.get("bos_token_id", tok.token_to_id("<s>"))
+            return cls("tokenizers", tok, bos, eos if eos is not None else tok.token_to_id("</s>"), tok.get_vocab_size())
+        if (d / "tokenizer.model").is_file():
+            import sentencepiece as spm
+
+            sp = spm.SentencePieceProcessor(model_file=str(d / "tokenizer.model"))
+            bos = sp.bos_id() if sp.bos_id() >= 0 else cfg.get("bos_token_id")
+            return cls("sentencepiece", sp, bos, sp.eos_id() if sp.eos_id() >= 0 else eos, sp.get_piece_size())
+        raise FileNotFoundError(f"{d} has no tokenizer.json or tokenizer.model")
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        if self.backend == "tokenizers":
+            ids = self._impl.encode(text, add_special_tokens=False).ids
+        else:
+            ids = self._impl.encode(text)
+        return ([self.bos_id] if bos and self.bos_id is not None else []) + list(ids)
+
+    def decode(self, ids: list[int]) -> str:
+        special = {self.bos_id, self.eos_id}
+        ids = [int(i) for i in ids if i not in special]
+        if self.backend == "tokenizers":
+            return self._impl.decode(ids, skip_special_tokens=True)
+        return self._impl.decode(ids)
