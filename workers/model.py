@@ -23,6 +23,9 @@ PROJS = ("q", "k", "v", "o", "gate", "up", "down")
 ATTN_PROJS = ("q", "k", "v", "o")
 
 
+CAUSAL = torch.ones(0, dtype=torch.bool)  # sentinel key mask: causal attention over the new tokens only
+
+
 def proj_name(layer: int, proj: str) -> str:
     """Canonical name of a decoder projection: `layers.{i}.attn.q`, `layers.{i}.mlp.down`."""
     return f"layers.{layer}.{'attn' if proj in ATTN_PROJS else 'mlp'}.{proj}"
@@ -128,16 +131,19 @@ class Attention(nn.Module):
         k = self.k(x).view(B, S, self.n_kv, self.head_dim)  # (B, S, H_kv, D)
         v = self.v(x).view(B, S, self.n_kv, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:  # write the new keys at each row's positions, then read the whole cache
+        if cache is not None:  # write the new keys at each row's positions, then read the cache up to the longest row
             cache.write(layer, pos, k, v, valid)
-            k, v = cache.k[layer], cache.v[layer]  # (B, S_max, H_kv, D)
+            n = S if key_mask is CAUSAL else key_mask.shape[-1]
+            k, v = cache.k[layer][:, :n], cache.v[layer][:, :n]  # (B, S_k, H_kv, D)
         rep = self.n_heads // self.n_kv
         k = k.repeat_interleave(rep, dim=2) if rep > 1 else k  # (B, S_k, H, D)
         v = v.repeat_interleave(rep, dim=2) if rep > 1 else v
-        scores = torch.einsum("bqhd,bkhd->bhqk", q, k).float() / math.sqrt(self.head_dim)
-        scores = scores.masked_fill(~key_mask[:, None], float("-inf"))  # key_mask (B, S, S_k)
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        out = torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(B, S, self.n_heads * self.head_dim)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D)
+        if key_mask is CAUSAL:  # plain causal prefill from position 0: flash kernels apply
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask[:, None])  # key_mask (B, S, S_k)
+        out = out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim)
         return self.o(out)
 
 
@@ -251,11 +257,14 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence of {end} tokens exceeds the context limit of {limit} tokens")
         pos = pos.clamp(max=self.rope_cos.shape[0] - 1)  # padding past the end reads any valid table row
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (B, S, D)
-        if cache is None:
+        fresh = int(start.max()) == 0  # every row starts at 0: only the new tokens are keys
+        if fresh and int(lengths.min()) == S:
+            key_mask = CAUSAL
+        elif fresh:
             key_mask = (t[None, None] <= t[None, :, None]) & valid[:, None, :]  # (B, S, S) causal, no padding keys
         else:
-            kpos = torch.arange(cache.max_seq_len, device=dev)
-            key_mask = kpos[None, None] <= pos[:, :, None]  # (B, S, S_max): causal over the cache
+            kpos = torch.arange(end, device=dev)
+            key_mask = kpos[None, None] <= pos[:, :, None]  # (B, S, end): causal over the cache
         x = self.embed(tokens)
         for i, blk in enumerate(self.layers):
             x = blk(x, cos, sin, i, cache, pos, valid, key_mask)
