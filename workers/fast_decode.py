@@ -31,8 +31,11 @@ class DecodeConfig:
     backend: str = "triton"  # "triton" kernels where a layer is fully factorized, or "torch" ops everywhere
     graph: str = "step"  # "none" | "layer" (one CUDA graph per layer) | "step" (one graph for the whole step)
     num_splits: int = 0  # split-K factor of decode attention; 0 = from the cache length
+    gemv: str = "auto"  # "triton" (fused GEMV kernels) | "cublas" (torch.mm) | "auto": triton at B = 1, else cublas
 
     def __post_init__(self) -> None:
+        if self.gemv not in ("auto", "triton", "cublas"):
+            raise ValueError(f"gemv must be 'auto', 'triton' or 'cublas', got {self.gemv!r}")
         if self.backend not in ("triton", "torch"):
             raise ValueError(f"backend must be 'triton' or 'torch', got {self.backend!r}")
         if self.graph not in ("none", "layer", "step"):
@@ -79,6 +82,8 @@ class FastDecoder:
         if dcfg.graph != "none" and dev.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device; use graph='none' on CPU")
         self.use_triton = dcfg.backend == "triton"
+        # measured on the H200 (bench/results/decode.md): the Triton GEMVs win at B = 1, cuBLAS at B >= 4
+        self.gemv = ("triton" if B == 1 else "cublas") if dcfg.gemv == "auto" else dcfg.gemv
         if self.use_triton:  # imported lazily: the torch backend must work without triton
             from rankserve.kernels import decode_attention as _attn
             from rankserve.kernels import gate_up as _gu
@@ -160,43 +165,48 @@ class FastDecoder:
         out.copy_(w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype))
 
     def _layer(self, i: int) -> None:
-        L, cfg = self.layers[i], self.cfg
+        L, B = self.layers[i], self.dcfg.batch_size
         kc, vc = self.cache.k[i], self.cache.v[i]  # (B, S_max, H_kv, D)
         seqlens = self.cache.seqlens
-        B = self.dcfg.batch_size
-        triton_layer = self.use_triton and L.factorized
+        fused = self.use_triton and L.factorized and self.gemv == "triton"  # Triton GEMVs with fused epilogues
         # attention: the first layer normalizes the embedding; later ones add the previous MLP output first
         self._norm(self.x if i == 0 else self.y, L.attn_norm, self.h, residual=None if i == 0 else self.x)
-        if triton_layer:
-            r = sum(L.qkv_split)
+        if fused:
             self._k["qkv"].qkv_rope(self.h, L.Vqkv, L.Uq, L.Uk, L.Uv, self.cos, self.sin, kc, vc, seqlens,
-                                    q_out=self.q, t=self.t[:, :r])
+                                    q_out=self.q, t=self.t[:, :sum(L.qkv_split)])
+        else:
+            self._qkv_torch(L, kc, vc, seqlens)
+        if self.use_triton:
             self._k["attn"].decode_attention(self.q, kc, vc, seqlens, num_splits=self.num_splits, out=self.a,
                                              mid_o=self.mid_o, mid_lse=self.mid_lse)
-            o = L.proj["o"]
-            self._k["ll"].lowrank_linear(self.a.view(B, -1), o.V, o.U, out=self.y, t=self.t[:, :o.rank])
         else:
-            self._attention_torch(L, kc, vc, seqlens)
-            self.y.copy_(L.proj["o"](self.a.view(B, -1)))
+            self._attention_torch(kc, vc, seqlens)
+        self._linear(L.proj["o"], self.a.view(B, -1), self.y, fused)
         # MLP
         self._norm(self.y, L.mlp_norm, self.h, residual=self.x)
-        if triton_layer:
-            r = sum(L.gu_split)
-            self._k["gu"].gate_up(self.h, L.Vgu, L.Ug, L.Uu, out=self.m, t=self.t[:, :r])
-            d = L.proj["down"]
-            self._k["ll"].lowrank_linear(self.m, d.V, d.U, out=self.y, t=self.t[:, :d.rank])
+        if fused:
+            self._k["gu"].gate_up(self.h, L.Vgu, L.Ug, L.Uu, out=self.m, t=self.t[:, :sum(L.gu_split)])
         else:
             if hasattr(L, "Vgu"):
                 tg, tu = (self.h @ L.Vgu.t()).split(L.gu_split, dim=-1)
                 g, u = tg @ L.Ug.t(), tu @ L.Uu.t()
             else:
                 g, u = (self.h @ L.Wgu.t()).chunk(2, dim=-1)
-            self.m.copy_(F.silu(g) * u)
-            self.y.copy_(L.proj["down"](self.m))
+            torch.mul(F.silu(g), u, out=self.m)
+        self._linear(L.proj["down"], self.m, self.y, fused)
         if i == len(self.layers) - 1:
             self.x += self.y  # the last layer's MLP output joins the residual here
 
-    def _attention_torch(self, L: _Layer, kc: torch.Tensor, vc: torch.Tensor, seqlens: torch.Tensor) -> None:
+    def _linear(self, lin, x: torch.Tensor, out: torch.Tensor, fused: bool) -> None:
+        if fused:
+            self._k["ll"].lowrank_linear(x, lin.V, lin.U, out=out, t=self.t[:, :lin.rank])
+        elif lin.factorized:
+            torch.mm(x @ lin.V.t(), lin.U.t(), out=out)  # cuBLAS, rank vector in the activation dtype
+        else:
+            torch.mm(x, lin.weight.t(), out=out)
+
+    def _qkv_torch(self, L: _Layer, kc: torch.Tensor, vc: torch.Tensor, seqlens: torch.Tensor) -> None:
+        """q, k, v of the current token with cuBLAS GEMMs; RoPE and the cache write as small torch ops."""
         cfg, B = self.cfg, self.dcfg.batch_size
         H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         if hasattr(L, "Vqkv"):
@@ -211,13 +221,17 @@ class FastDecoder:
             t1, t2 = t.float().chunk(2, dim=-1)
             return torch.cat([t1 * cos - t2 * sin, t2 * cos + t1 * sin], dim=-1).to(t.dtype)
 
-        q = rope(q.view(B, H, D))
+        self.q.copy_(rope(q.view(B, H, D)))
         rows = torch.arange(B, device=q.device)
         kc[rows, pos] = rope(k.view(B, Hkv, D))  # device-side index: no host sync
         vc[rows, pos] = v.view(B, Hkv, D)
+
+    def _attention_torch(self, kc: torch.Tensor, vc: torch.Tensor, seqlens: torch.Tensor) -> None:
+        """SDPA over the whole static cache with a length mask (reads S_max keys; graph-safe)."""
+        H, Hkv = self.cfg.num_attention_heads, self.cfg.num_key_value_heads
         S = kc.shape[1]
-        mask = torch.arange(S, device=q.device)[None] <= pos[:, None]  # (B, S_max): keys up to this token
-        out = F.scaled_dot_product_attention(q[:, :, None], kc.transpose(1, 2), vc.transpose(1, 2),
+        mask = torch.arange(S, device=kc.device)[None] <= seqlens[:, None].long()  # (B, S_max): keys up to this token
+        out = F.scaled_dot_product_attention(self.q[:, :, None], kc.transpose(1, 2), vc.transpose(1, 2),
                                              attn_mask=mask[:, None, None], enable_gqa=Hkv != H)  # (B, H, 1, D)
         self.a.copy_(out[:, :, 0])
 

@@ -1,0 +1,600 @@
+"""Decode and prefill benchmark on a GPU: HF StaticCache baselines vs rankserve's runtime, one run, one GPU.
+
+Random weights at the LLaMA-7B shape (speed does not depend on their values), bf16. Rows per case:
+  hf-dense-eager       transformers LlamaForCausalLM + StaticCache, no compile (dense weights)
+  hf-lowrank-eager     the same with every decoder linear replaced by two nn.Linear (V then U): the papers' baseline
+  ours-eager           rankserve's Transformer.forward with its dense KV cache, no graphs
+  ours-compile         our torch step under torch.compile(mode="reduce-overhead") (gpt-fast style; one case only)
+  ours-torch-graph     our torch step captured as one CUDA graph (what the Triton kernels add is the gap to the next)
+  ours-triton-layer    Triton kernels, one CUDA graph per layer
+  ours-triton-step     Triton kernels, one CUDA graph for the whole step
+Every figure: ms/token median of >= 5 repeats (min/max too), tok/s, bytes read per token (weights + KV up to
+the current position), the floor at the device-to-device copy bandwidth measured in the same run, and MBU.
+
+Usage: python -m rankserve.bench.decode --out bench/results/decode-b1.json [--batches 1] [--quick]
+       python -m rankserve.bench.decode --markdown bench/results/decode-b1.json ... > bench/results/decode.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from rankserve.workers.config import ModelConfig, preset
+from rankserve.workers.fast_decode import DecodeConfig, FastDecoder
+from rankserve.workers.kv_cache import KVCache
+from rankserve.workers.model import PROJS, Transformer, proj_name
+
+FAMILIES = ("svd-llm", "dobi", "basis-sharing")
+SHARED = ("q", "k", "v", "gate", "up")
+
+
+# --- the cost model --------------------------------------------------------------------------------
+def plan_ranks(cfg: ModelConfig, family: str, keep: float, seed: int = 0) -> tuple[dict, dict]:
+    """Ranks (and Basis Sharing groups) of a `family`-shaped checkpoint at `keep` (SVD-LLM / Basis Sharing formulas)."""
+    shapes = cfg.linear_shapes()
+    rng = random.Random(seed)
+    ranks, groups = {}, {}
+    for i in range(cfg.num_hidden_layers):
+        for p in PROJS:
+            out, inp = shapes[p]
+            r = int(keep * out * inp / (out + inp))
+            if family == "dobi":  # uneven per projection and layer, even numbers, same mean
+                r = 2 * round(r * rng.uniform(0.75, 1.25) / 2)
+            if family == "basis-sharing" and p in SHARED:
+                r = int(inp * out * 2 * keep / (inp + out * 2))  # n = 2 layers share one basis
+            ranks[proj_name(i, p)] = max(2, min(r, min(out, inp) - 1))
+    if family == "basis-sharing":
+        for a in range(0, cfg.num_hidden_layers - 1, 2):
+            for p in SHARED:
+                groups[f"{p}.{a}-{a + 1}"] = [proj_name(a, p), proj_name(a + 1, p)]
+    return ranks, groups
+
+
+def build_model(cfg: ModelConfig, ranks: dict, groups: dict, device: str, dtype: torch.dtype, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    m = Transformer(cfg, ranks, groups, device=device, dtype=dtype)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith(".U"):
+                p.normal_(0, p.shape[1] ** -0.5)
+            elif name.endswith(".V") or name.startswith("bases."):
+                p.normal_(0, p.shape[1] ** -0.5)
+            elif name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0, p.shape[-1] ** -0.5)
+    return m.eval()
+
+
+def weight_bytes_read(model: Transformer) -> int:
+    """Bytes of weights one decode step reads: every projection (a shared basis once per use), norms, head."""
+    total = sum(l.V.numel() + l.U.numel() if l.factorized else l.weight.numel() for l in model.projections().values())
+    total += sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+    total += model.head_weight().numel()
+    return total * model.embed.weight.element_size()
+
+
+def kv_bytes_read(cfg: ModelConfig, batch: int, ctx: float, elem: int) -> float:
+    """K and V of `ctx` cached tokens (mean context during the timed steps) for every row and layer."""
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem * ctx * batch
+
+
+def copy_bandwidth(device: str) -> float:
+    """Device-to-device copy, bytes read + written per second (median of 10 after warm-up)."""
+    n = 1 << 30  # 1 GiB each way
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    a.random_(0, 255)
+    times = []
+    for i in range(13):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * n / statistics.median(times)
+
+
+# --- timing ----------------------------------------------------------------------------------------
+def time_decode(step, reset, n_tokens: int, repeats: int, warmup: int = 8) -> list[float]:
+    """ms/token of `n_tokens` chained steps, `repeats` times; `reset` rewinds the cache to the prompt."""
+    reset()
+    for _ in range(warmup):
+        step()
+    out = []
+    for _ in range(repeats):
+        reset()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n_tokens):
+            step()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) * 1e3 / n_tokens)
+    return out
+
+
+def row(name: str, ms: list[float], bytes_per_token: float, bw: float, batch: int, **extra) -> dict:
+    med = statistics.median(ms)
+    floor_ms = bytes_per_token / bw * 1e3
+    return dict(row=name, ms_per_token=med, ms_min=min(ms), ms_max=max(ms), repeats=len(ms),
+                tok_s=batch * 1e3 / med, bytes_per_token=bytes_per_token, floor_ms=floor_ms,
+                mbu=floor_ms / med, **extra)
+
+
+# --- HF baselines ----------------------------------------------------------------------------------
+def hf_model(cfg: ModelConfig, device: str, dtype, ours: Transformer | None):
+    """transformers LlamaForCausalLM; with `ours`, each decoder linear becomes nn.Sequential(V, U) holding our factors."""
+    from torch import nn
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hcfg = LlamaConfig(**{k: v for k, v in cfg.to_hf().items() if k not in ("architectures", "torch_dtype")})
+    with torch.device(device):
+        m = LlamaForCausalLM(hcfg).to(dtype).eval()
+    if ours is None:
+        return m
+    names = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+             "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+    projs = ours.projections()
+    shared_v: dict[int, nn.Linear] = {}
+    for i, layer in enumerate(m.model.layers):
+        for p, path in names.items():
+            src = projs[proj_name(i, p)]
+            parent = layer.get_submodule(path.split(".")[0])
+            key = id(src.V)
+            if key not in shared_v:  # Basis Sharing: members share one V module, as the original code does
+                v = nn.Linear(src.in_features, src.rank, bias=False, device=device, dtype=dtype)
+                v.weight = src.V
+                shared_v[key] = v
+            u = nn.Linear(src.rank, src.out_features, bias=False, device=device, dtype=dtype)
+            u.weight = src.U
+            setattr(parent, path.split(".")[1], nn.Sequential(shared_v[key], u))
+        layer.input_layernorm.weight = ours.layers[i].attn_norm.weight
+        layer.post_attention_layernorm.weight = ours.layers[i].mlp_norm.weight
+    m.model.embed_tokens.weight = ours.embed.weight
+    m.model.norm.weight = ours.norm.weight
+    m.lm_head.weight = ours.head_weight()
+    return m
+
+
+def time_hf(m, B: int, P: int, n_tokens: int, repeats: int, vocab: int) -> list[float]:
+    import warnings
+
+    from transformers import StaticCache
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    dev = m.device
+    cache = StaticCache(config=m.config, max_cache_len=P + n_tokens + 16)
+    prompt = torch.randint(0, vocab, (B, P), device=dev)
+    with torch.inference_mode():
+        out = m(prompt, past_key_values=cache, cache_position=torch.arange(P, device=dev), use_cache=True)
+        state = {"pos": P, "tok": out.logits[:, -1:].argmax(-1)}
+
+        def step():
+            cp = torch.tensor([state["pos"]], device=dev)  # as HF users write it: a host-built position
+            o = m(state["tok"], past_key_values=cache, cache_position=cp, use_cache=True)
+            state["tok"] = o.logits[:, -1:].argmax(-1)
+            state["pos"] += 1
+
+        def reset():  # rewind the static cache to the prompt (transformers 5.x layers count with cumulative_length)
+            state["pos"] = P
+            for layer in getattr(cache, "layers", []):
+                n = getattr(layer, "cumulative_length", None)
+                if isinstance(n, torch.Tensor):
+                    n.fill_(P)
+                elif n is not None:
+                    layer.cumulative_length = P
+
+        return time_decode(step, reset, n_tokens, repeats, warmup=4)
+
+
+# --- our rows --------------------------------------------------------------------------------------
+def time_ours_eager(model: Transformer, B: int, P: int, n_tokens: int, repeats: int) -> list[float]:
+    cfg = model.cfg
+    cache = KVCache(cfg.num_hidden_layers, B, P + n_tokens + 16, cfg.num_key_value_heads, cfg.head_dim,
+                    device=model.embed.weight.device, dtype=model.embed.weight.dtype)
+    prompt = torch.randint(0, cfg.vocab_size, (B, P), device=cache.k.device)
+    with torch.inference_mode():
+        state = {"tok": model(prompt, cache, last_only=True).argmax(-1, keepdim=True)}
+
+        def step():
+            state["tok"] = model(state["tok"], cache, last_only=True).argmax(-1, keepdim=True)
+
+        return time_decode(step, lambda: cache.seqlens.fill_(P), n_tokens, repeats)
+
+
+def make_decoder(model: Transformer, B: int, S: int, backend: str, graph: str) -> FastDecoder:
+    return FastDecoder(model, DecodeConfig(batch_size=B, max_seq_len=S, backend=backend, graph=graph))
+
+
+def time_fast(dec: FastDecoder, P: int, n_tokens: int, repeats: int, compiled=None) -> list[float]:
+    cfg, B = dec.cfg, dec.dcfg.batch_size
+    prompt = torch.randint(0, cfg.vocab_size, (B, P), device=dec.tokens.device)
+    with torch.inference_mode():
+        logits = dec.prefill(prompt)
+        dec.tokens.copy_(logits.argmax(-1))
+
+        if compiled is None:
+            def step():
+                dec.step(dec.logits.argmax(-1))
+        else:
+            def step():
+                dec.tokens.copy_(dec.logits.argmax(-1))
+                compiled()
+
+        return time_decode(step, lambda: dec.cache.seqlens.fill_(P), n_tokens, repeats)
+
+
+def greedy_match(model: Transformer, dec: FastDecoder, P: int, n: int) -> dict:
+    """Greedy tokens of the fast path vs the eager runtime for n steps; the first mismatch if any."""
+    cfg, B = model.cfg, dec.dcfg.batch_size
+    torch.manual_seed(1)
+    prompt = torch.randint(0, cfg.vocab_size, (B, P), device=dec.tokens.device)
+    cache = KVCache(cfg.num_hidden_layers, B, P + n + 1, cfg.num_key_value_heads, cfg.head_dim,
+                    device=prompt.device, dtype=model.embed.weight.dtype)
+    with torch.inference_mode():
+        lg = model(prompt, cache, last_only=True)
+        eager, fast = [], []
+        for _ in range(n):
+            eager.append(lg.argmax(-1))
+            lg = model(eager[-1][:, None], cache, last_only=True)
+        lg = dec.prefill(prompt)
+        max_err = 0.0
+        for s in range(n):
+            fast.append(lg.argmax(-1))
+            lg = dec.step(eager[s]).clone()  # teacher-forced on eager tokens so the logits stay comparable
+        e, f = torch.stack(eager, 1).cpu(), torch.stack(fast, 1).cpu()
+    same = (e == f)
+    first = None if bool(same.all()) else int((~same).any(0).nonzero()[0])
+    return dict(steps=n, token_match=float(same.float().mean()), first_mismatch_step=first)
+
+
+# --- cases -----------------------------------------------------------------------------------------
+def run_case(res: dict, cfg, family, keep, P, B, args, bw, dense_cache) -> None:
+    dev, dt = "cuda", torch.bfloat16
+    ranks, groups = plan_ranks(cfg, family, keep)
+    model = build_model(cfg, ranks, groups, dev, dt)
+    wbytes = weight_bytes_read(model)
+    n, reps = args.tokens, args.repeats
+    kv = kv_bytes_read(cfg, B, P + n / 2, 2)
+    bpt = wbytes + kv
+    from rankserve.workers.checkpoint import count_params
+    kept, dense = count_params(cfg, ranks, groups)
+    case = dict(family=family, keep=round(kept / dense, 4), keep_target=keep, prompt=P, batch=B,
+                weight_bytes=wbytes, kv_bytes=kv, rows=[])
+    res["cases"].append(case)
+
+    def add(name, fn, bytes_=bpt, **extra):
+        try:
+            case["rows"].append(row(name, fn(), bytes_, bw, B, **extra))
+            r = case["rows"][-1]
+            print(f"  {name:18s} {r['ms_per_token']:8.3f} ms/token  MBU {r['mbu']:.2f}", flush=True)
+        except Exception as e:  # one failing row must not stop the run
+            case["rows"].append(dict(row=name, error=f"{type(e).__name__}: {e}"))
+            traceback.print_exc()
+        torch.cuda.empty_cache()
+
+    print(f"case {family} keep {keep} prompt {P} B {B}: ranks {min(ranks.values())}..{max(ranks.values())}", flush=True)
+    key = (P, B)
+    if "hf-dense" not in args.skip:
+        if key not in dense_cache:
+            hfd = hf_model(cfg, dev, dt, None)
+            dbytes = sum(p.numel() for n_, p in hfd.named_parameters() if "embed" not in n_) * 2 + kv
+            try:
+                dense_cache[key] = row("hf-dense-eager", time_hf(hfd, B, P, n, reps, cfg.vocab_size), dbytes, bw, B)
+            except Exception as e:
+                dense_cache[key] = dict(row="hf-dense-eager", error=str(e))
+            del hfd
+            gc.collect()
+            torch.cuda.empty_cache()
+        case["rows"].append(dense_cache[key])
+    if "hf-lowrank" not in args.skip:
+        hfl = hf_model(cfg, dev, dt, model)
+        add("hf-lowrank-eager", lambda: time_hf(hfl, B, P, n, reps, cfg.vocab_size))
+        del hfl
+        gc.collect()
+    if "eager" not in args.skip:
+        add("ours-eager", lambda: time_ours_eager(model, B, P, n, reps))
+    S = P + n + 16
+    if args.compile and (family, keep, P, B) == ("svd-llm", 0.6, args.prompts[0], 1):
+        def compiled_row():
+            dec = make_decoder(model, B, S, "torch", "none")
+            fn = torch.compile(dec._step_body, mode="reduce-overhead", fullgraph=True)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                dec.prefill(torch.randint(0, cfg.vocab_size, (B, P), device=dev))
+                for _ in range(3):
+                    fn()
+            torch.cuda.synchronize()
+            case["compile_s"] = time.perf_counter() - t0
+            return time_fast(dec, P, n, reps, compiled=fn)
+        add("ours-compile", compiled_row)
+    if "torch-graph" not in args.skip:
+        add("ours-torch-graph", lambda: time_fast(make_decoder(model, B, S, "torch", "step"), P, n, reps))
+    add("ours-triton-layer", lambda: time_fast(make_decoder(model, B, S, "triton", "layer"), P, n, reps))
+    dec = make_decoder(model, B, S, "triton", "step")
+    add("ours-triton-step", lambda: time_fast(dec, P, n, reps))
+    if B == 1 and P == args.prompts[0]:
+        try:
+            case["greedy_check"] = greedy_match(model, make_decoder(model, B, P + 65, "triton", "step"), P, 64)
+            print(f"  greedy check: {case['greedy_check']}", flush=True)
+        except Exception as e:
+            case["greedy_check"] = dict(error=str(e))
+    del model, dec
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def run_long(res: dict, cfg, args, bw) -> None:
+    """One long B=1 run of args.long decoded tokens (svd-llm keep 0.6, prompt 128), ms/token per 1024-token chunk;
+    the HF low-rank baseline sampled at several contexts (prefill to that context, then 32 timed steps)."""
+    dev, dt, P = "cuda", torch.bfloat16, 128
+    ranks, groups = plan_ranks(cfg, "svd-llm", 0.6)
+    model = build_model(cfg, ranks, groups, dev, dt)
+    wbytes = weight_bytes_read(model)
+    S = P + args.long + 8
+    dec = make_decoder(model, 1, S, "triton", "step")
+    chunks = []
+    with torch.inference_mode():
+        dec.prefill(torch.randint(0, cfg.vocab_size, (1, P), device=dev))
+        tok = dec.logits.argmax(-1)
+        dec.step(tok)  # capture
+        done = 1
+        t_all = time.perf_counter()
+        while done < args.long:
+            m = min(1024, args.long - done)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(m):
+                dec.step(dec.logits.argmax(-1))
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - t0) * 1e3 / m
+            ctx = P + done + m / 2
+            chunks.append(dict(context=ctx, ms_per_token=ms,
+                               mbu=(wbytes + kv_bytes_read(cfg, 1, ctx, 2)) / bw * 1e3 / ms))
+            done += m
+        total_s = time.perf_counter() - t_all
+    long = dict(tokens=args.long, total_s=total_s, ms_per_token=total_s * 1e3 / (args.long - 1), chunks=chunks,
+                baseline=[])
+    res["long"] = long
+    print(f"long run: {args.long} tokens, {long['ms_per_token']:.3f} ms/token", flush=True)
+    del dec
+    torch.cuda.empty_cache()
+    hfl = hf_model(cfg, dev, dt, model)
+    for ctx in args.long_baseline_contexts:
+        try:
+            ms = time_hf(hfl, 1, ctx, 32, 3, cfg.vocab_size)
+            ours = min(chunks, key=lambda c: abs(c["context"] - ctx))
+            long["baseline"].append(dict(context=ctx, hf_lowrank_ms=statistics.median(ms), ours_ms=ours["ms_per_token"],
+                                         speedup=statistics.median(ms) / ours["ms_per_token"]))
+            print(f"  hf-lowrank at context {ctx}: {statistics.median(ms):.3f} ms/token", flush=True)
+        except Exception as e:
+            long["baseline"].append(dict(context=ctx, error=str(e)))
+        torch.cuda.empty_cache()
+    del hfl, model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def run_prefill(res: dict, cfg, args) -> None:
+    """Prefill latency (B=1) of the HF low-rank baseline and our runtime at each length; and one layer's attention
+    built from the factors: rebuild Q/K/V + SDPA (flash) vs the factorized Triton prefill kernel."""
+    dev, dt = "cuda", torch.bfloat16
+    ranks, groups = plan_ranks(cfg, "svd-llm", 0.6)
+    model = build_model(cfg, ranks, groups, dev, dt)
+    hfl = hf_model(cfg, dev, dt, model)
+    out = []
+    for S in args.prefill:
+        entry = dict(tokens=S)
+        x = torch.randint(0, cfg.vocab_size, (1, S), device=dev)
+        with torch.inference_mode():
+            for name, fn in (("ours", lambda: model(x, KVCache(cfg.num_hidden_layers, 1, S, cfg.num_key_value_heads,
+                                                               cfg.head_dim, device=dev, dtype=dt), last_only=True)),
+                             ("hf_lowrank", lambda: hfl(x, use_cache=False, logits_to_keep=1))):
+                try:
+                    fn()
+                    torch.cuda.synchronize()
+                    ts = []
+                    for _ in range(5):
+                        t0 = time.perf_counter()
+                        fn()
+                        torch.cuda.synchronize()
+                        ts.append((time.perf_counter() - t0) * 1e3)
+                    entry[f"{name}_ms"] = statistics.median(ts)
+                except Exception as e:
+                    entry[f"{name}_error"] = str(e)
+                torch.cuda.empty_cache()
+            entry.update(prefill_attention_compare(model, S))
+        out.append(entry)
+        print(f"prefill {S}: {entry}", flush=True)
+    res["prefill"] = out
+    del hfl, model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def prefill_attention_compare(model: Transformer, S: int) -> dict:
+    from triton.testing import do_bench
+
+    from rankserve.kernels.prefill_attention import prefill_attention
+
+    cfg = model.cfg
+    a = model.layers[0].attn
+    H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    x = torch.randn(1, S, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    Pq, Pk, Pv = x @ a.q.V.t(), x @ a.k.V.t(), x @ a.v.V.t()  # (1, S, r)
+    half = D // 2
+    cos, sin = model.rope_cos[:S, :half].contiguous(), model.rope_sin[:S, :half].contiguous()
+    seqlens = torch.tensor([S], device="cuda", dtype=torch.int32)
+    Uq, Uk, Uv = a.q.U.view(H, D, -1), a.k.U.view(Hkv, D, -1), a.v.U.view(Hkv, D, -1)
+
+    def rebuild_sdpa():
+        q = (Pq @ a.q.U.t()).view(1, S, H, D)
+        k = (Pk @ a.k.U.t()).view(1, S, Hkv, D)
+        v = (Pv @ a.v.U.t()).view(1, S, Hkv, D)
+        c, s_ = model.rope_cos[:S][None], model.rope_sin[:S][None]
+        from rankserve.workers.model import apply_rope
+        q, k = apply_rope(q, c, s_), apply_rope(k, c, s_)
+        return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                                is_causal=True, enable_gqa=H != Hkv)
+
+    out = {}
+    try:
+        out["attn_rebuild_sdpa_ms"] = do_bench(rebuild_sdpa, return_mode="median")
+    except Exception as e:
+        out["attn_rebuild_sdpa_error"] = str(e)
+    try:
+        ref = rebuild_sdpa().transpose(1, 2).float()
+        got = prefill_attention(Pq, Pk, Pv, Uq, Uk, Uv, cos, sin, seqlens)
+        got = got[0] if isinstance(got, tuple) else got
+        out["attn_factorized_rel_err"] = float((got.float() - ref).norm() / ref.norm())
+        out["attn_factorized_ms"] = do_bench(lambda: prefill_attention(Pq, Pk, Pv, Uq, Uk, Uv, cos, sin, seqlens),
+                                             return_mode="median")
+    except Exception as e:
+        out["attn_factorized_error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+# --- markdown --------------------------------------------------------------------------------------
+def markdown(paths: list[str]) -> str:
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    env = docs[0]["env"]
+    lines = [f"# Decode benchmark — {env['gpu']}", "",
+             f"torch {env['torch']}, triton {env['triton']}, transformers {env['transformers']}, CUDA {env['cuda']}. "
+             f"Measured device-to-device copy bandwidth: **{env['copy_bw'] / 1e12:.2f} TB/s** (bytes read + written). "
+             "Random weights at the LLaMA-7B shape, bf16 (speed does not depend on the values). "
+             "ms/token = median of the repeats (min–max); MBU = (weight + KV bytes read per token) / copy bandwidth / time. "
+             "Files: " + ", ".join(f"`{Path(p).name}`" for p in paths), ""]
+    for d in docs:
+        for c in d.get("cases", []):
+            lines.append(f"## {c['family']} keep {c['keep']} (target {c['keep_target']}), prompt {c['prompt']}, B={c['batch']}")
+            lines.append("")
+            lines.append("| path | ms/token (min–max) | tok/s | MB read/token | floor ms | MBU | vs hf-lowrank |")
+            lines.append("| --- | --- | --- | --- | --- | --- | --- |")
+            base = next((r["ms_per_token"] for r in c["rows"] if r.get("row") == "hf-lowrank-eager" and "ms_per_token" in r), None)
+            for r in c["rows"]:
+                if "error" in r:
+                    lines.append(f"| {r['row']} | failed: {r['error'][:80]} | | | | | |")
+                    continue
+                sp = f"{base / r['ms_per_token']:.2f}×" if base else ""
+                lines.append(f"| {r['row']} | {r['ms_per_token']:.3f} ({r['ms_min']:.3f}–{r['ms_max']:.3f}) | "
+                             f"{r['tok_s']:.0f} | {r['bytes_per_token'] / 1e6:.0f} | {r['floor_ms']:.3f} | "
+                             f"{r['mbu'] * 100:.0f}% | {sp} |")
+            if "greedy_check" in c:
+                lines.append(f"\nGreedy check (fast path vs eager runtime, bf16, 64 steps, teacher-forced): {c['greedy_check']}")
+            if "compile_s" in c:
+                lines.append(f"\ntorch.compile warm-up: {c['compile_s']:.0f} s")
+            lines.append("")
+        if "long" in d:
+            lg = d["long"]
+            lines += [f"## Long run: {lg['tokens']} decoded tokens, B=1, svd-llm keep 0.6, triton-step",
+                      "", f"Mean {lg['ms_per_token']:.3f} ms/token over the whole run ({lg['total_s']:.1f} s).", "",
+                      "| context | ms/token | MBU |", "| --- | --- | --- |"]
+            for ch in lg["chunks"][:: max(1, len(lg["chunks"]) // 8)]:
+                lines.append(f"| {ch['context']:.0f} | {ch['ms_per_token']:.3f} | {ch['mbu'] * 100:.0f}% |")
+            lines += ["", "| context | hf-lowrank ms/token | ours ms/token | speed-up |", "| --- | --- | --- | --- |"]
+            for b in lg["baseline"]:
+                if "error" in b:
+                    lines.append(f"| {b['context']} | failed: {b['error'][:60]} | | |")
+                else:
+                    lines.append(f"| {b['context']} | {b['hf_lowrank_ms']:.3f} | {b['ours_ms']:.3f} | {b['speedup']:.2f}× |")
+            lines.append("")
+        if "prefill" in d:
+            lines += ["## Prefill latency, B=1, svd-llm keep 0.6", "",
+                      "| tokens | ours ms | hf-lowrank ms | one layer's attention: rebuild+SDPA ms | factorized Triton ms (rel. err) |",
+                      "| --- | --- | --- | --- | --- |"]
+            for e in d["prefill"]:
+                fa = (f"{e['attn_factorized_ms']:.3f} ({e['attn_factorized_rel_err']:.1e})" if "attn_factorized_ms" in e
+                      else e.get("attn_factorized_error", "")[:60])
+                lines.append(f"| {e['tokens']} | {e.get('ours_ms', float('nan')):.1f} | {e.get('hf_lowrank_ms', float('nan')):.1f} | "
+                             f"{e.get('attn_rebuild_sdpa_ms', float('nan')):.3f} | {fa} |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="rankserve bench decode", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench/results/decode.json")
+    ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    ap.add_argument("--keeps", nargs="+", type=float, default=[0.6, 0.8])
+    ap.add_argument("--prompts", nargs="+", type=int, default=[128, 2048])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 8])
+    ap.add_argument("--tokens", type=int, default=64, help="decode steps per timed repeat")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--long", type=int, default=0, help="tokens of the long B=1 run (0 = skip)")
+    ap.add_argument("--long-baseline-contexts", nargs="+", type=int, default=[128, 4096, 8192, 16384])
+    ap.add_argument("--prefill", nargs="*", type=int, default=[], help="prefill lengths to time (e.g. 2048 8192)")
+    ap.add_argument("--prefill-only", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="add the torch.compile row for svd-llm 0.6, B=1")
+    ap.add_argument("--skip", nargs="*", default=[], help="rows to skip: hf-dense hf-lowrank eager torch-graph")
+    ap.add_argument("--budget-s", type=float, default=540, help="stop starting new cases after this many seconds")
+    ap.add_argument("--markdown", nargs="*", help="render these result JSONs as markdown and exit")
+    args = ap.parse_args(argv)
+    if args.markdown:
+        print(markdown(args.markdown))
+        return 0
+    if not torch.cuda.is_available():
+        print("error: bench decode needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import transformers
+    import triton
+
+    t_start = time.perf_counter()
+    bw = copy_bandwidth("cuda")
+    res = dict(env=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                        transformers=transformers.__version__, cuda=torch.version.cuda, python=platform.python_version(),
+                        copy_bw=bw, weights="random, bf16", date=time.strftime("%Y-%m-%d")),
+               cases=[], argv=argv)
+    print(f"{res['env']['gpu']}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(res, indent=1))
+        os.replace(tmp, out)
+
+    cfg = preset("llama-7b", max_position_embeddings=max(20480, 128 + args.long + 64))
+    if args.prefill_only:
+        run_prefill(res, cfg, args)
+        save()
+        return 0
+    dense_cache: dict = {}
+    for B in args.batches:
+        for P in args.prompts:
+            for fam in args.families:
+                for keep in args.keeps:
+                    if time.perf_counter() - t_start > args.budget_s:
+                        print(f"time budget reached: skipping {fam} {keep} P={P} B={B}", flush=True)
+                        res.setdefault("skipped", []).append(dict(family=fam, keep=keep, prompt=P, batch=B))
+                        continue
+                    run_case(res, cfg, fam, keep, P, B, args, bw, dense_cache)
+                    save()
+    if args.prefill and time.perf_counter() - t_start < args.budget_s:
+        run_prefill(res, cfg, args)
+        save()
+    if args.long and time.perf_counter() - t_start < args.budget_s:
+        run_long(res, cfg, args, bw)
+        save()
+    res["wall_s"] = time.perf_counter() - t_start
+    save()
+    print(f"wrote {out} in {res['wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
