@@ -37,6 +37,17 @@ from rankserve.workers.kv_cache import KVCache
 from rankserve.workers.model import PROJS, Transformer, proj_name
 
 FAMILIES = ("svd-llm", "dobi", "basis-sharing")
+DTYPES = {"cuda": torch.bfloat16, "cpu": torch.float32}  # the CPU run is a smoke test of this script, not a figure
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def empty_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 SHARED = ("q", "k", "v", "gate", "up")
 
 
@@ -93,8 +104,15 @@ def kv_bytes_read(cfg: ModelConfig, batch: int, ctx: float, elem: int) -> float:
 
 def copy_bandwidth(device: str) -> float:
     """Device-to-device copy, bytes read + written per second (median of 10 after warm-up)."""
-    n = 1 << 30  # 1 GiB each way
+    n = 1 << 30 if device == "cuda" else 1 << 26  # 1 GiB each way on the GPU
     a = torch.empty(n, dtype=torch.uint8, device=device)
+    if device != "cuda":
+        ts = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            a.copy_(a.flip(0))
+            ts.append(time.perf_counter() - t0)
+        return 2 * n / statistics.median(ts)
     b = torch.empty_like(a)
     a.random_(0, 255)
     times = []
@@ -103,7 +121,7 @@ def copy_bandwidth(device: str) -> float:
         s.record()
         b.copy_(a)
         e.record()
-        torch.cuda.synchronize()
+        sync()
         if i >= 3:
             times.append(s.elapsed_time(e) / 1e3)
     del a, b
@@ -119,11 +137,11 @@ def time_decode(step, reset, n_tokens: int, repeats: int, warmup: int = 8) -> li
     out = []
     for _ in range(repeats):
         reset()
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         for _ in range(n_tokens):
             step()
-        torch.cuda.synchronize()
+        sync()
         out.append((time.perf_counter() - t0) * 1e3 / n_tokens)
     return out
 
@@ -217,8 +235,10 @@ def time_ours_eager(model: Transformer, B: int, P: int, n_tokens: int, repeats: 
         return time_decode(step, lambda: cache.seqlens.fill_(P), n_tokens, repeats)
 
 
-def make_decoder(model: Transformer, B: int, S: int, backend: str, graph: str) -> FastDecoder:
-    return FastDecoder(model, DecodeConfig(batch_size=B, max_seq_len=S, backend=backend, graph=graph))
+def make_decoder(model: Transformer, B: int, S: int, backend: str, graph: str, gemv: str = "auto") -> FastDecoder:
+    if model.embed.weight.device.type != "cuda":
+        graph = "none"
+    return FastDecoder(model, DecodeConfig(batch_size=B, max_seq_len=S, backend=backend, graph=graph, gemv=gemv))
 
 
 def time_fast(dec: FastDecoder, P: int, n_tokens: int, repeats: int, compiled=None) -> list[float]:
@@ -265,7 +285,7 @@ def greedy_match(model: Transformer, dec: FastDecoder, P: int, n: int) -> dict:
 
 # --- cases -----------------------------------------------------------------------------------------
 def run_case(res: dict, cfg, family, keep, P, B, args, bw, dense_cache) -> None:
-    dev, dt = "cuda", torch.bfloat16
+    dev, dt = args.device, DTYPES[args.device]
     ranks, groups = plan_ranks(cfg, family, keep)
     model = build_model(cfg, ranks, groups, dev, dt)
     wbytes = weight_bytes_read(model)
@@ -286,7 +306,7 @@ def run_case(res: dict, cfg, family, keep, P, B, args, bw, dense_cache) -> None:
         except Exception as e:  # one failing row must not stop the run
             case["rows"].append(dict(row=name, error=f"{type(e).__name__}: {e}"))
             traceback.print_exc()
-        torch.cuda.empty_cache()
+        empty_cache()
 
     print(f"case {family} keep {keep} prompt {P} B {B}: ranks {min(ranks.values())}..{max(ranks.values())}", flush=True)
     key = (P, B)
@@ -295,20 +315,21 @@ def run_case(res: dict, cfg, family, keep, P, B, args, bw, dense_cache) -> None:
             hfd = hf_model(cfg, dev, dt, None)
             dbytes = sum(p.numel() for n_, p in hfd.named_parameters() if "embed" not in n_) * 2 + kv
             try:
-                dense_cache[key] = row("hf-dense-eager", time_hf(hfd, B, P, n, reps, cfg.vocab_size), dbytes, bw, B)
+                dense_cache[key] = row("hf-dense-eager", time_hf(hfd, B, P, args.hf_tokens, reps, cfg.vocab_size),
+                                       dbytes, bw, B)
             except Exception as e:
                 dense_cache[key] = dict(row="hf-dense-eager", error=str(e))
             del hfd
             gc.collect()
-            torch.cuda.empty_cache()
+            empty_cache()
         case["rows"].append(dense_cache[key])
     if "hf-lowrank" not in args.skip:
         hfl = hf_model(cfg, dev, dt, model)
-        add("hf-lowrank-eager", lambda: time_hf(hfl, B, P, n, reps, cfg.vocab_size))
+        add("hf-lowrank-eager", lambda: time_hf(hfl, B, P, args.hf_tokens, reps, cfg.vocab_size))
         del hfl
         gc.collect()
-    if "eager" not in args.skip:
-        add("ours-eager", lambda: time_ours_eager(model, B, P, n, reps))
+    if "eager" not in args.skip and B == 1 and P == args.prompts[0]:
+        add("ours-eager", lambda: time_ours_eager(model, B, P, args.hf_tokens, reps))
     S = P + n + 16
     if args.compile and (family, keep, P, B) == ("svd-llm", 0.6, args.prompts[0], 1):
         def compiled_row():
@@ -319,30 +340,33 @@ def run_case(res: dict, cfg, family, keep, P, B, args, bw, dense_cache) -> None:
                 dec.prefill(torch.randint(0, cfg.vocab_size, (B, P), device=dev))
                 for _ in range(3):
                     fn()
-            torch.cuda.synchronize()
+            sync()
             case["compile_s"] = time.perf_counter() - t0
             return time_fast(dec, P, n, reps, compiled=fn)
         add("ours-compile", compiled_row)
-    if "torch-graph" not in args.skip:
+    first = B == 1 and P == args.prompts[0]
+    if first and "torch-graph" not in args.skip:
         add("ours-torch-graph", lambda: time_fast(make_decoder(model, B, S, "torch", "step"), P, n, reps))
-    add("ours-triton-layer", lambda: time_fast(make_decoder(model, B, S, "triton", "layer"), P, n, reps))
-    dec = make_decoder(model, B, S, "triton", "step")
-    add("ours-triton-step", lambda: time_fast(dec, P, n, reps))
+    add("ours-graph-layer", lambda: time_fast(make_decoder(model, B, S, "triton", "layer"), P, n, reps),
+        gemv="auto")
+    for gemv in ("triton", "cublas"):
+        add(f"ours-graph-step-{gemv}", lambda: time_fast(make_decoder(model, B, S, "triton", "step", gemv), P, n, reps),
+            gemv=gemv)
     if B == 1 and P == args.prompts[0]:
         try:
             case["greedy_check"] = greedy_match(model, make_decoder(model, B, P + 65, "triton", "step"), P, 64)
             print(f"  greedy check: {case['greedy_check']}", flush=True)
         except Exception as e:
             case["greedy_check"] = dict(error=str(e))
-    del model, dec
+    del model
     gc.collect()
-    torch.cuda.empty_cache()
+    empty_cache()
 
 
 def run_long(res: dict, cfg, args, bw) -> None:
     """One long B=1 run of args.long decoded tokens (svd-llm keep 0.6, prompt 128), ms/token per 1024-token chunk;
     the HF low-rank baseline sampled at several contexts (prefill to that context, then 32 timed steps)."""
-    dev, dt, P = "cuda", torch.bfloat16, 128
+    dev, dt, P = args.device, DTYPES[args.device], 128
     ranks, groups = plan_ranks(cfg, "svd-llm", 0.6)
     model = build_model(cfg, ranks, groups, dev, dt)
     wbytes = weight_bytes_read(model)
@@ -357,11 +381,11 @@ def run_long(res: dict, cfg, args, bw) -> None:
         t_all = time.perf_counter()
         while done < args.long:
             m = min(1024, args.long - done)
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             for _ in range(m):
                 dec.step(dec.logits.argmax(-1))
-            torch.cuda.synchronize()
+            sync()
             ms = (time.perf_counter() - t0) * 1e3 / m
             ctx = P + done + m / 2
             chunks.append(dict(context=ctx, ms_per_token=ms,
@@ -373,7 +397,7 @@ def run_long(res: dict, cfg, args, bw) -> None:
     res["long"] = long
     print(f"long run: {args.long} tokens, {long['ms_per_token']:.3f} ms/token", flush=True)
     del dec
-    torch.cuda.empty_cache()
+    empty_cache()
     hfl = hf_model(cfg, dev, dt, model)
     for ctx in args.long_baseline_contexts:
         try:
@@ -384,16 +408,16 @@ def run_long(res: dict, cfg, args, bw) -> None:
             print(f"  hf-lowrank at context {ctx}: {statistics.median(ms):.3f} ms/token", flush=True)
         except Exception as e:
             long["baseline"].append(dict(context=ctx, error=str(e)))
-        torch.cuda.empty_cache()
+        empty_cache()
     del hfl, model
     gc.collect()
-    torch.cuda.empty_cache()
+    empty_cache()
 
 
 def run_prefill(res: dict, cfg, args) -> None:
     """Prefill latency (B=1) of the HF low-rank baseline and our runtime at each length; and one layer's attention
     built from the factors: rebuild Q/K/V + SDPA (flash) vs the factorized Triton prefill kernel."""
-    dev, dt = "cuda", torch.bfloat16
+    dev, dt = args.device, DTYPES[args.device]
     ranks, groups = plan_ranks(cfg, "svd-llm", 0.6)
     model = build_model(cfg, ranks, groups, dev, dt)
     hfl = hf_model(cfg, dev, dt, model)
@@ -407,24 +431,25 @@ def run_prefill(res: dict, cfg, args) -> None:
                              ("hf_lowrank", lambda: hfl(x, use_cache=False, logits_to_keep=1))):
                 try:
                     fn()
-                    torch.cuda.synchronize()
+                    sync()
                     ts = []
                     for _ in range(5):
                         t0 = time.perf_counter()
                         fn()
-                        torch.cuda.synchronize()
+                        sync()
                         ts.append((time.perf_counter() - t0) * 1e3)
                     entry[f"{name}_ms"] = statistics.median(ts)
                 except Exception as e:
                     entry[f"{name}_error"] = str(e)
-                torch.cuda.empty_cache()
-            entry.update(prefill_attention_compare(model, S))
+                empty_cache()
+            if dev == "cuda":
+                entry.update(prefill_attention_compare(model, S))
         out.append(entry)
         print(f"prefill {S}: {entry}", flush=True)
     res["prefill"] = out
     del hfl, model
     gc.collect()
-    torch.cuda.empty_cache()
+    empty_cache()
 
 
 def prefill_attention_compare(model: Transformer, S: int) -> dict:
@@ -534,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", nargs="+", type=int, default=[128, 2048])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 8])
     ap.add_argument("--tokens", type=int, default=64, help="decode steps per timed repeat")
+    ap.add_argument("--hf-tokens", type=int, default=32, help="decode steps per timed repeat of the slow eager rows")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--long", type=int, default=0, help="tokens of the long B=1 run (0 = skip)")
     ap.add_argument("--long-baseline-contexts", nargs="+", type=int, default=[128, 4096, 8192, 16384])
@@ -543,19 +569,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", nargs="*", default=[], help="rows to skip: hf-dense hf-lowrank eager torch-graph")
     ap.add_argument("--budget-s", type=float, default=540, help="stop starting new cases after this many seconds")
     ap.add_argument("--markdown", nargs="*", help="render these result JSONs as markdown and exit")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--preset", default="llama-7b", help="model shape (workers.config.PRESETS)")
     args = ap.parse_args(argv)
     if args.markdown:
         print(markdown(args.markdown))
         return 0
-    if not torch.cuda.is_available():
-        print("error: bench decode needs a CUDA GPU", file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: bench decode needs a CUDA GPU (--device cpu runs a smoke test of the script)", file=sys.stderr)
         return 2
     import transformers
     import triton
 
     t_start = time.perf_counter()
-    bw = copy_bandwidth("cuda")
-    res = dict(env=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+    bw = copy_bandwidth(args.device)
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke test)"
+    res = dict(env=dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__,
                         transformers=transformers.__version__, cuda=torch.version.cuda, python=platform.python_version(),
                         copy_bw=bw, weights="random, bf16", date=time.strftime("%Y-%m-%d")),
                cases=[], argv=argv)
@@ -568,27 +597,37 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(json.dumps(res, indent=1))
         os.replace(tmp, out)
 
-    cfg = preset("llama-7b", max_position_embeddings=max(20480, 128 + args.long + 64))
+    cfg = preset(args.preset, max_position_embeddings=max(20480, 128 + args.long + 64))
     if args.prefill_only:
         run_prefill(res, cfg, args)
         save()
         return 0
     dense_cache: dict = {}
-    for B in args.batches:
-        for P in args.prompts:
-            for fam in args.families:
-                for keep in args.keeps:
-                    if time.perf_counter() - t_start > args.budget_s:
-                        print(f"time budget reached: skipping {fam} {keep} P={P} B={B}", flush=True)
-                        res.setdefault("skipped", []).append(dict(family=fam, keep=keep, prompt=P, batch=B))
-                        continue
-                    run_case(res, cfg, fam, keep, P, B, args, bw, dense_cache)
-                    save()
-    if args.prefill and time.perf_counter() - t_start < args.budget_s:
-        run_prefill(res, cfg, args)
-        save()
-    if args.long and time.perf_counter() - t_start < args.budget_s:
-        run_long(res, cfg, args, bw)
+    # priority order: B=1 short prompt (all families), the long run, larger batches, long prompts, prefill
+    small, big = args.prompts[0], args.prompts[-1]
+    plan = [("case", f, k, small, 1) for f in args.families for k in args.keeps]
+    plan += [("long",)] if args.long else []
+    plan += [("prefill",)] if args.prefill else []
+    plan += [("case", f, args.keeps[0], small, B) for B in args.batches if B > 1 for f in args.families]
+    plan += [("case", f, k, big, 1) for f in args.families for k in args.keeps] if big != small else []
+    plan += [("case", args.families[0], args.keeps[0], big, B) for B in args.batches if B > 1] if big != small else []
+    plan += [("case", f, k, P, B) for B in args.batches if B > 1 for P in args.prompts for f in args.families
+             for k in args.keeps[1:]]
+    for item in plan:
+        if time.perf_counter() - t_start > args.budget_s:
+            print(f"time budget reached: skipping {item}", flush=True)
+            res.setdefault("skipped", []).append(list(item))
+            continue
+        try:
+            if item[0] == "case":
+                run_case(res, cfg, *item[1:], args, bw, dense_cache)
+            elif item[0] == "long":
+                run_long(res, cfg, args, bw)
+            else:
+                run_prefill(res, cfg, args)
+        except Exception as e:  # keep going: the rest of the plan still measures
+            traceback.print_exc()
+            res.setdefault("failed", []).append(dict(item=list(item), error=f"{type(e).__name__}: {e}"))
         save()
     res["wall_s"] = time.perf_counter() - t_start
     save()

@@ -106,8 +106,10 @@ def import_hf(src: str | Path, out: str | Path, trust_pickle: bool = False) -> P
     if cfg.tie_word_embeddings:
         native.pop("lm_head.weight", None)
     model = dense_model(cfg, native)
-    manifest = Manifest(family="dense", ranks={}, source=src.name, provenance={"importer": "hf"})
-    return save_checkpoint(out, model, manifest, tokenizer_dir=src)
+    dtypes = {t.dtype for t in native.values() if t.is_floating_point()}
+    store = dtypes.pop() if len(dtypes) == 1 else torch.float32  # keep the source's precision on disk
+    manifest = Manifest(family="dense", ranks={}, source=src.name, provenance={"importer": "hf", "dtype": str(store)})
+    return save_checkpoint(out, model, manifest, tokenizer_dir=src, dtype=store)
 
 
 def import_llama2c(src: str | Path, out: str | Path) -> Path:

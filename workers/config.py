@@ -163,6 +163,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                      num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=20480,
                      rms_norm_eps=1e-6),
+    # a few-MB model for smoke tests of the benchmarks on CPU
+    "tiny": dict(vocab_size=256, hidden_size=128, intermediate_size=320, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096),
     # karpathy's stories260K (bundled as models/stories260K)
     "stories260K": dict(vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=5,
                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
