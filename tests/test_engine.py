@@ -81,3 +81,9 @@ def test_bad_params_and_long_prompt(engine):
             SamplingParams(**kw)
     with pytest.raises(ValueError, match="context limit"):
         engine.generate("Once upon a time " * 200)
+
+
+def test_text_keeps_the_leading_space(engine):
+    """SentencePiece drops a word's leading space when it starts the decoded ids: the engine decodes in context."""
+    r = engine.generate("Once upon a time, there was a little girl named Lily.", SamplingParams(max_new_tokens=5))
+    assert r.text.startswith(" ") and engine.tokenizer.decode(r.token_ids) == r.text.lstrip(" ")

@@ -44,6 +44,8 @@ class _Row:
         self.ids: list[int] = []
         self.released = ""
         self.finish: str | None = None
+        self.context = prompt_ids[-4:]  # decoded with the new tokens so a leading space survives (SentencePiece)
+        self.context_text: str | None = None
 
     def push(self, token: int, tok: Tokenizer) -> str:
         """Append a token; return the newly releasable text and set `finish` when the row is done."""
@@ -51,7 +53,10 @@ class _Row:
             self.finish = "stop"
             return ""
         self.ids.append(token)
-        text = tok.decode(self.ids)
+        if self.context_text is None:
+            self.context_text = tok.decode(self.context)
+        full = tok.decode(self.context + self.ids)
+        text = full[len(self.context_text):] if full.startswith(self.context_text) else tok.decode(self.ids)
         for s in self.params.stop:
             at = text.find(s)
             if at >= 0:

@@ -1,0 +1,141 @@
+"""Decode-time low-rank projection y = U (V x) for a few rows of x (B <= 8).
+
+Two launches of one memory-bound GEMV kernel: t = x Vᵀ into an fp32 scratch, then y = t Uᵀ. Every weight
+byte is read once; t (B * r * 4 bytes) is re-read from L2 by every program of the second launch.
+Each program owns BLOCK_N rows of the weight and walks the whole reduction dimension, so no split-K
+scratch and no atomics are needed: at LLaMA-7B shapes (r ~ 1.2k-2.4k, out 4096/11008) BLOCK_N = 4 already
+gives 300-2750 programs, several per SM.
+
+Measured on an H200 (triton 3.6, bf16, keep 0.6, CUDA-graph replay, cold L2; copy bandwidth 4.23 TB/s):
+  o-proj 4096 -> r 1228 -> 4096:   B=1 16.1 us (torch two GEMVs 19.5, dense 4096x4096 19.1); B=8 26.4 (torch 30.5)
+  down 11008 -> r 1791 -> 4096:    B=1 24.8 us (torch 33.9, dense 36.9); B=8 42.6 (torch 71.2)
+A 10 MB GEMV is mostly fixed cost (~1.2 TB/s); the big U stages reach ~2.1-2.5 TB/s.
+
+Inner product, picked by B at compile time:
+  B == 1   CUDA cores, a (BLOCK_N, BLOCK_K) fp32 accumulator reduced over K once after the loop;
+  B  > 1   tensor cores, x zero-padded to 16 rows, tl.dot with a pipelined (num_stages) weight stream.
+Alternatives measured (bench/kernels_gpu.py --only gemv_sweep, H200):
+  - B > 1 on CUDA cores (x broadcast against the weight tile, reduced over K every iteration): 3-4x slower
+    than this at B = 4..8 (122 vs 26 us for the o-proj at B=8): FMA and shuffle work per weight byte grows with B;
+  - tl.dot at B = 1 needs BLOCK_N >= 16, leaving ~80 programs for the V stage;
+  - one fused launch splitting r (each program: t_chunk = V_chunk x, then atomically y += U[:, chunk] t_chunk):
+    saves a launch but needs a zeroed fp32 y, an extra cast and out * r / chunk fp32 atomics.
+
+`_gemv_tile` is shared with qkv_rope.py and gate_up.py (their second stage is this GEMV with a fused epilogue).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K,
+               B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc[b, n] = sum_k x[b, k] * w[offs_n[n], k] for k in [0, K); fp32 (B_PAD, BLOCK_N).
+
+    x: rows b < B at x_ptr + b * stride_x, any float dtype; w: row-major rows at w_ptr + n * stride_w.
+    Both must have unit stride along k.
+    """
+    offs_b = tl.arange(0, B_PAD)
+    mask_b = offs_b < B
+    if B_PAD == 1:
+        # CUDA cores; reduce over K once, after the loop
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            w = tl.load(w_ptr + offs_n[:, None] * stride_w + offs_k[None, :],
+                        mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                        eviction_policy="evict_first")  # (BLOCK_N, BLOCK_K)
+            xk = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0, eviction_policy="evict_last")  # (BLOCK_K,)
+            acc2 += w.to(tl.float32) * xk.to(tl.float32)[None, :]
+        acc = tl.sum(acc2, axis=1)[None, :]  # (1, BLOCK_N)
+    else:
+        # tensor cores: x zero-padded to B_PAD >= 16 rows; x is rounded to w's dtype (as torch's bf16 GEMM would)
+        acc = tl.zeros((B_PAD, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            wT = tl.load(w_ptr + offs_n[None, :] * stride_w + offs_k[:, None],
+                         mask=mask_k[:, None] & mask_n[None, :], other=0.0,
+                         eviction_policy="evict_first")  # (BLOCK_K, BLOCK_N)
+            xk = tl.load(x_ptr + offs_b[:, None] * stride_x + offs_k[None, :],
+                         mask=mask_b[:, None] & mask_k[None, :], other=0.0,
+                         eviction_policy="evict_last")  # (B_PAD, BLOCK_K)
+            if w_ptr.dtype.element_ty == tl.float32:
+                acc = tl.dot(xk.to(tl.float32), wT, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xk.to(wT.dtype), wT, acc)
+    return acc
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, B, N, K, stride_x, stride_w, stride_y,
+                 B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # grid (cdiv(N, BLOCK_N),): y[b, n] = sum_k x[b, k] w[n, k], stored in y's dtype
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    acc = _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, B_PAD, BLOCK_N, BLOCK_K)
+    offs_b = tl.arange(0, B_PAD)
+    tl.store(y_ptr + offs_b[:, None] * stride_y + offs_n[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=(offs_b[:, None] < B) & mask_n[None, :])
+
+
+def pad_rows(B: int) -> int:
+    """B_PAD of _gemv_tile: 1 (CUDA-core path) or >= 16 (tensor-core path, tl.dot's minimum M)."""
+    return 1 if B == 1 else max(16, triton.next_power_of_2(B))
+
+
+def gemv_config(B: int, N: int, on_gpu: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of _gemv_kernel for B rows of x and N rows of w.
+
+    GPU values from bench/kernels_gpu.py --only gemv_sweep on an H200 (triton 3.6), median us, cold L2:
+      B=1, (1228, 4096): 8.9 (best 8.2);  B=1, (11008, 1791): 18.9 (best)
+      B=8, (1228, 4096): 11.4 (best);     B=8, (11008, 1791): 30.8 (best)
+    Under the CPU interpreter big tiles mean fewer (slow, Python-level) programs.
+    """
+    if not on_gpu:
+        return 16, 64, 1, 1
+    if B == 1:
+        return 4, 1024, 4, 1
+    return (16, 512, 4, 4) if N < 4096 else (32, 256, 4, 2)  # few rows: fewer, deeper programs
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ wᵀ for a few rows of x, fp32 accumulation.
+
+    x: (B, K) bf16/fp16/fp32, unit stride along K. w: (N, K) row-major, unit stride along K.
+    out: optional (B, N) buffer, any float dtype (fp32 for a scratch t); default x.dtype.
+    Returns out. No host sync, no allocation when out is given (CUDA-graph capturable).
+    """
+    B, K = x.shape
+    N = w.shape[0]
+    assert w.shape[1] == K and x.stride(1) == 1 and w.stride(1) == 1, "gemv wants x (B, K), w (N, K), unit stride on K"
+    if out is None:
+        out = torch.empty(B, N, device=x.device, dtype=x.dtype)
+    BLOCK_N, BLOCK_K, num_warps, num_stages = gemv_config(B, N, x.is_cuda)
+    _gemv_kernel[(triton.cdiv(N, BLOCK_N),)](
+        x, w, out, B, N, K, x.stride(0), w.stride(0), out.stride(0),
+        B_PAD=pad_rows(B), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def lowrank_linear(x: torch.Tensor, V: torch.Tensor, U: torch.Tensor, *,
+                   out: torch.Tensor | None = None, t: torch.Tensor | None = None) -> torch.Tensor:
+    """y = U (V x) for each row of x: the canonical factorization W (out, in) ~ U (out, r) @ V (r, in).
+
+    x: (B, in), B <= 8 (decode rows), bf16 (GPU) or fp32; V: (r, in) and U: (out, r) row-major, x.dtype.
+    t: optional fp32 (B, r) scratch for V x (kept in fp32 so the rank-space activation is not rounded).
+    out: optional (B, out) buffer, x.dtype. Two launches, no host sync; no allocation when out and t are given.
+    """
+    B = x.shape[0]
+    if t is None:
+        t = torch.empty(B, V.shape[0], device=x.device, dtype=torch.float32)
+    gemv(x, V, out=t)  # (B, r) fp32
+    return gemv(t, U, out=out if out is not None else torch.empty(B, U.shape[0], device=x.device, dtype=x.dtype))
+
+
+def lowrank_linear_ref(x: torch.Tensor, V: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
+    """Torch reference of lowrank_linear in the inputs' dtype: (x Vᵀ) Uᵀ -> (B, out)."""
+    return (x @ V.T) @ U.T
