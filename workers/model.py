@@ -47,6 +47,7 @@ class FactorizedLinear(nn.Module):
             return
         self.U = nn.Parameter(torch.empty(out_features, rank, **kw))
         self.V = V if V is not None else nn.Parameter(torch.empty(rank, in_features, **kw))
+        self.mask: torch.Tensor | None = None  # PARSE: (B, r) 0/1 per row, the rank components each request uses
 
     @property
     def factorized(self) -> bool:
@@ -55,7 +56,10 @@ class FactorizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rank is None:
             return F.linear(x, self.weight)
-        return F.linear(F.linear(x, self.V), self.U)  # (..., in) -> (..., r) -> (..., out)
+        t = F.linear(x, self.V)  # (B, S, in) -> (B, S, r)
+        if self.mask is not None:  # keep only each row's selected components
+            t = t * self.mask[:, None, :].to(t.dtype)
+        return F.linear(t, self.U)  # (B, S, r) -> (B, S, out)
 
     def dense_weight(self) -> torch.Tensor:
         """W [out, in] (multiplied out for a factorized layer)."""
