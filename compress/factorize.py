@@ -1,0 +1,266 @@
+"""Factorize a model's decoder projections: plain SVD, SVD-LLM whitening, Basis Sharing.
+
+    compress_model("models/stories260K", "out/s260k-svdllm-0.8", "svd-llm", keep=0.8, calib_text="valid.txt")
+
+`keep` is the fraction of dense decoder-linear parameters kept. Each projection W [out, in] gets rank
+r = floor(keep·out·in / (out + in)) (SVD-LLM's convention: the factors U [out, r], V [r, in] hold keep·out·in
+parameters), clamped to [1, min(out, in)]. A projection stays dense when its dense matrix fits the budget
+(keep = 1) or when rank r would hold at least as many parameters as W itself; the achieved keep is recorded.
+
+Methods (W ≈ U V, y = U (V x)):
+  svd            truncated SVD of W, √Σ on both sides: U = U_r √Σ_r, V = √Σ_r V_rᵀ.
+  svd-llm        truncation-aware whitening (SVD-LLM v1): XᵀX = S Sᵀ (Cholesky, fp64), SVD of W S,
+                 U = U_r √Σ_r, V = √Σ_r V_rᵀ S⁻¹. Truncating a singular value of W S costs exactly that value
+                 in the calibration loss ‖(W − U V) Xᵀ‖.
+  basis-sharing  (Basis Sharing, Wang et al. 2024) q, k, v, gate and up of `group_size` consecutive layers share
+                 one basis V per projection type (q's basis is shared across layers 0 and 1, not with k);
+                 o and down are private, factorized as in svd-llm. For a group of n layers: summed XᵀX = S Sᵀ,
+                 SVD of Sᵀ [W_0ᵀ | … | W_{n-1}ᵀ] = u σ vᵀ, basis = S⁻ᵀ u_k σ_k (in, k), so V = basisᵀ and each
+                 member's U is its (out, k) block of v_k; rank k = floor(in·out·n·keep / (in + out·n)), clamped to
+                 [1, min(out, in)] (the native checkpoint bounds every rank by its projection's size). A last group
+                 of one layer is private.
+
+A factorized source model is multiplied out (U V) first and factorized afresh from the dense weights.
+Calibration statistics come from `compress.calibrate` over the source model as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from rankserve.compress.calibrate import CalibStats, calibrate
+from rankserve.workers.checkpoint import CheckpointError, Manifest, count_params, load_checkpoint, save_checkpoint
+from rankserve.workers.model import PROJS, Transformer, proj_name
+from rankserve.workers.tokenizer import Tokenizer
+
+METHODS = ("svd", "svd-llm", "basis-sharing")
+SHARED = ("q", "k", "v", "gate", "up")  # Basis Sharing's share_part for LLaMA; o and down stay private
+SINGULAR_PIVOT = 1e-10  # Cholesky pivots below this fraction of mean(diag XᵀX) count as singular: S⁻¹ would amplify noise
+DAMPING_START = 1e-6  # first λ of the damped fallback, as a fraction of mean(diag XᵀX); grown x10 up to 1e-1
+
+
+# --- ranks ---------------------------------------------------------------------------------------
+def rank_for(out: int, inp: int, keep: float) -> int | None:
+    """Rank of a private projection W [out, in] at `keep`; None = keep it dense."""
+    return shared_rank_for(out, inp, 1, keep)
+
+
+def shared_rank_for(out: int, inp: int, n: int, keep: float) -> int | None:
+    """Rank of a basis shared by n projections W_i [out, in] at `keep`; None = keep them dense.
+
+    n = 1 is the private case: floor(keep·out·in / (out + in)).
+    """
+    if keep >= 1:
+        return None  # the dense matrices fit the budget and are exact
+    k = int(inp * out * n * keep / (inp + out * n))
+    k = max(1, min(k, out, inp))
+    return None if k * (inp + n * out) >= n * out * inp else k
+
+
+# --- whitening -----------------------------------------------------------------------------------
+@dataclass
+class Whitening:
+    """A square root S of a Gram matrix, XᵀX ≈ S Sᵀ (fp64).
+
+    kind: "cholesky" (S lower-triangular), "damped" (Cholesky of XᵀX + λI), "eigh" (S = Q √Λ Qᵀ with the
+    eigenvalues clamped at `damping`), "identity" (XᵀX was zero: no information, plain SVD).
+    """
+
+    S: torch.Tensor  # (in, in) fp64
+    kind: str
+    damping: float = 0.0
+    inv_T: torch.Tensor | None = None  # S⁻ᵀ, kept only for "eigh" where it comes free with the eigenvectors
+
+    def unwhiten(self, M: torch.Tensor) -> torch.Tensor:
+        """S⁻ᵀ M for M (in, k) fp64, by triangular solve where S is triangular."""
+        if self.kind == "identity":
+            return M
+        if self.inv_T is not None:
+            return self.inv_T @ M
+        return torch.linalg.solve_triangular(self.S.T, M, upper=True)
+
+
+def whiten(gram: torch.Tensor) -> Whitening:
+    """S with XᵀX ≈ S Sᵀ: Cholesky; if not positive definite, Cholesky of XᵀX + λI with λ grown from
+    1e-6·mean(diag); failing that, a symmetric square root from eigh with clamped eigenvalues."""
+    G = gram.to(torch.float64)
+    if not torch.isfinite(G).all():
+        raise ValueError("calibration Gram matrix holds inf/nan (activations overflowed?); calibrate in float32")
+    G = (G + G.T) / 2  # (in, in), symmetric up to rounding of the accumulation
+    n = G.shape[0]
+    scale = G.diagonal().mean().item()
+    if scale <= 0:
+        return Whitening(torch.eye(n, dtype=torch.float64, device=G.device), "identity")
+    eye = torch.eye(n, dtype=torch.float64, device=G.device)
+    lam = 0.0
+    for step in range(7):  # λ = 0, then 1e-6 .. 1e-1 of the mean diagonal
+        L, info = torch.linalg.cholesky_ex(G + lam * eye if lam else G)
+        if info.item() == 0 and L.diagonal().min().item() ** 2 >= SINGULAR_PIVOT * scale:
+            return Whitening(L, "cholesky" if lam == 0 else "damped", lam)
+        lam = DAMPING_START * scale * 10 ** step
+    w, Q = torch.linalg.eigh(G)  # G = Q diag(w) Qᵀ
+    floor = DAMPING_START * scale
+    w = w.clamp(min=floor)
+    S = (Q * w.sqrt()) @ Q.T  # symmetric, S Sᵀ = Q diag(w) Qᵀ
+    inv_T = (Q * w.rsqrt()) @ Q.T
+    return Whitening(S, "eigh", floor, inv_T)
+
+
+# --- factors -------------------------------------------------------------------------------------
+def svd_factors(W: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated SVD W [out, in] ≈ U V: U (out, r) = U_r √Σ_r, V (r, in) = √Σ_r V_rᵀ; fp64."""
+    u, s, vh = torch.linalg.svd(W.to(torch.float64), full_matrices=False)
+    sq = s[:rank].sqrt()
+    return u[:, :rank] * sq, sq[:, None] * vh[:rank]
+
+
+def svd_llm_factors(W: torch.Tensor, wh: Whitening, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whitened SVD: W S = U Σ Vᵀ; U' (out, r) = U_r √Σ_r, V' (r, in) = √Σ_r V_rᵀ S⁻¹; fp64."""
+    A = W.to(torch.float64) @ wh.S  # (out, in)
+    u, s, vh = torch.linalg.svd(A, full_matrices=False)
+    sq = s[:rank].sqrt()
+    V = wh.unwhiten(vh[:rank].T).T  # (r, in) = V_rᵀ S⁻¹
+    return u[:, :rank] * sq, sq[:, None] * V
+
+
+def shared_basis_factors(Ws: list[torch.Tensor], wh: Whitening, rank: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Basis Sharing (§5.2): one V (k, in) and a U (out, k) per W_i [out, in] from the group's whitening; fp64.
+
+    SVD of Sᵀ W_cat with W_cat = [W_0ᵀ | … ] (in, n·out): basis = S⁻ᵀ u_k σ_k (in, k) (σ folded into the basis),
+    coefficients v_kᵀ (k, n·out) split per member.
+    """
+    out = Ws[0].shape[0]
+    W_cat = torch.cat([W.to(torch.float64).T for W in Ws], dim=1)  # (in, n·out)
+    u, s, vh = torch.linalg.svd(wh.S.T @ W_cat, full_matrices=False)
+    basis = wh.unwhiten(u[:, :rank] * s[:rank])  # (in, k)
+    coef = vh[:rank]  # (k, n·out)
+    return basis.T, [c.T for c in coef.split(out, dim=1)]
+
+
+# --- the pipeline --------------------------------------------------------------------------------
+def compress_model(model_dir: str | Path, out_dir: str | Path, method: str,
+                   keep: float,  # fraction of dense decoder-linear parameters kept, 0 < keep <= 1
+                   calib_text: str | Path | None = None,  # text file; required by svd-llm and basis-sharing
+                   calib_tokens: int = 131072,  # calibration tokens (SVD-LLM uses 256 x 2048 on LLaMA-7B)
+                   calib_seq_len: int | None = None,  # calibration window; None = min(2048, the model's context)
+                   calib_batch_size: int = 8,
+                   group_size: int = 2,  # basis-sharing: consecutive layers sharing a basis (the paper's default)
+                   device: str = "cpu",
+                   progress: bool = True) -> Path:
+    """Factorize the native checkpoint `model_dir` with `method` at `keep`; write a new checkpoint to `out_dir`.
+
+    Factors are computed in fp64 from fp32 weights and stored in the source's dtype. The output is written
+    atomically; on any error nothing is left at `out_dir`. `svd` ignores `calib_text`.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if not (isinstance(keep, (int, float)) and 0 < keep <= 1):
+        raise ValueError(f"keep must be a fraction of parameters kept in (0, 1], got {keep!r}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be at least 1, got {group_size}")
+    needs_calib = method != "svd"
+    if needs_calib:
+        if calib_text is None:
+            raise ValueError(f"method {method!r} needs calibration text: pass calib_text (a text file)")
+        if not Path(calib_text).is_file():
+            raise ValueError(f"calibration text {calib_text} does not exist or is not a file")
+        if Path(calib_text).stat().st_size == 0:
+            raise ValueError(f"calibration text {calib_text} is empty; pass a text file with content")
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise CheckpointError(f"{out_dir} already exists; choose another output path or remove it first")
+
+    src, src_manifest = load_checkpoint(model_dir, device)
+    store_dtype = src.embed.weight.dtype
+    src = src.float()
+    cfg = src.cfg
+    dense = {name: lin.dense_weight().detach() for name, lin in src.projections().items()}  # W (out, in) fp32
+    ranks, groups = _plan(cfg, method, keep, group_size)
+
+    stats: CalibStats | None = None
+    if needs_calib and any(r is not None for r in ranks.values()):
+        stats = calibrate(src, Tokenizer.load(model_dir), calib_text, max_tokens=calib_tokens,
+                          seq_len=calib_seq_len, batch_size=calib_batch_size, progress=progress)
+
+    model = Transformer(cfg, ranks, groups, device=device)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, t in src.state_dict().items():  # embeddings, norms, head
+            if name.startswith(("embed.", "norm.", "lm_head.")) or name.endswith("_norm.weight"):
+                params[name].copy_(t)
+        kinds = _fill_projections(model, dense, stats, method, ranks, groups, progress)
+
+    kept, total = count_params(cfg, ranks, groups)
+    provenance = {"method": method, "keep_requested": keep, "keep_achieved": round(kept / total, 6),
+                  "source": str(Path(model_dir)), "source_family": src_manifest.family,
+                  "source_keep": src_manifest.keep, "multiplied_out": any(l.factorized for l in src.projections().values())}
+    if method == "basis-sharing":
+        provenance["group_size"] = group_size
+        provenance["shared"] = list(SHARED)
+    if stats is not None:
+        provenance["calibration"] = {"text": Path(stats.source).name, "tokens": stats.tokens, "seq_len": stats.seq_len}
+        provenance["whitening"] = kinds
+    manifest = Manifest(family=method, ranks={}, source=Path(model_dir).name, provenance=provenance)
+    return save_checkpoint(out_dir, model, manifest, tokenizer_dir=model_dir, dtype=store_dtype)
+
+
+def _plan(cfg, method: str, keep: float, group_size: int) -> tuple[dict[str, int | None], dict[str, list[str]]]:
+    """Rank of every projection (None = dense) and the shared-basis groups {"q.0-1": [members]}."""
+    shapes = cfg.linear_shapes()
+    ranks = {proj_name(i, p): rank_for(*shapes[p], keep) for i in range(cfg.num_hidden_layers) for p in PROJS}
+    groups: dict[str, list[str]] = {}
+    if method != "basis-sharing":
+        return ranks, groups
+    for start in range(0, cfg.num_hidden_layers, group_size):
+        layers = list(range(start, min(start + group_size, cfg.num_hidden_layers)))
+        if len(layers) == 1:
+            continue  # a group of one is a private projection
+        for p in SHARED:
+            k = shared_rank_for(*shapes[p], len(layers), keep)
+            members = [proj_name(i, p) for i in layers]
+            for m in members:
+                ranks[m] = k
+            if k is not None:
+                groups[f"{p}.{layers[0]}-{layers[-1]}"] = members
+    return ranks, groups
+
+
+def _fill_projections(model: Transformer, dense: dict[str, torch.Tensor], stats: CalibStats | None, method: str,
+                      ranks: dict[str, int | None], groups: dict[str, list[str]], progress: bool) -> dict[str, int]:
+    """Compute and copy every projection's factors (or dense weight) into `model`; count whitening kinds."""
+    lins = model.projections()
+    grouped = {m for members in groups.values() for m in members}
+    cache: dict[tuple[int, ...], Whitening] = {}  # one whitening per distinct (summed) input Gram
+    kinds: dict[str, int] = {}
+
+    def whitening(members: list[str]) -> Whitening:
+        key = tuple(id(stats.grams[m]) for m in members)
+        if key not in cache:
+            cache[key] = whiten(sum(stats.grams[m] for m in members))
+            kinds[cache[key].kind] = kinds.get(cache[key].kind, 0) + 1
+        return cache[key]
+
+    jobs: list[tuple[str, list[str]]] = [("group", m) for m in groups.values()]
+    jobs += [("private", [n]) for n in lins if n not in grouped]
+    for kind, members in tqdm(jobs, desc=f"factorize ({method})", unit="proj", disable=not progress):
+        if kind == "group":
+            V, Us = shared_basis_factors([dense[m] for m in members], whitening(members), ranks[members[0]])
+            lins[members[0]].V.copy_(V)  # the group's one Parameter
+            for m, U in zip(members, Us):
+                lins[m].U.copy_(U)
+            continue
+        name, r = members[0], ranks[members[0]]
+        if r is None:
+            lins[name].weight.copy_(dense[name])
+            continue
+        if method == "svd":
+            U, V = svd_factors(dense[name], r)
+        else:
+            U, V = svd_llm_factors(dense[name], whitening([name]), r)
+        lins[name].U.copy_(U)
+        lins[name].V.copy_(V)
+    return kinds

@@ -1,0 +1,255 @@
+"""Factorization: ranks, SVD / SVD-LLM / Basis Sharing math, whitening fallbacks, the compress pipeline.
+
+Run alone: .venv/bin/python -m pytest tests/test_compress.py -q -s   (-s prints the perplexities)
+A few seconds on 2 cores (about 1 s idle); the stories260K comparison is marked slow (-m "not slow" skips it).
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from rankserve.compress.calibrate import calibrate
+from rankserve.compress.evaluate import perplexity
+from rankserve.compress.factorize import (compress_model, rank_for, shared_basis_factors, shared_rank_for,
+                                          svd_factors, svd_llm_factors, whiten)
+from rankserve.workers.checkpoint import CheckpointError, Manifest, load_checkpoint, save_checkpoint
+from rankserve.workers.config import ModelConfig
+from rankserve.workers.model import Transformer, proj_name
+from rankserve.workers.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+STORIES = ROOT / "models" / "stories260K"
+HELD_OUT = ROOT / "tests" / "data" / "wikitext2-raw-test-head.txt"  # WikiText-2 raw test, first 47 kB
+CALIB = ROOT / "tests" / "data" / "tinyshakespeare-head.txt"
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _calib_loss(W, U, V, X):  # ‖(W − U V) Xᵀ‖_F, the loss SVD-LLM minimizes
+    return float(((W - U @ V) @ X.T).norm())
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A random fp32 LLaMA (3 layers, GQA) saved as a native checkpoint with stories260K's tokenizer."""
+    cfg = ModelConfig(vocab_size=512, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    g = torch.Generator().manual_seed(0)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    out = tmp_path_factory.mktemp("tiny") / "dense"
+    return save_checkpoint(out, model, Manifest(family="dense", ranks={}, source="random"), tokenizer_dir=STORIES)
+
+
+# --- ranks ---------------------------------------------------------------------------------------
+def test_ranks_match_published_llama7b_ranks():
+    # SVD-LLM keep 0.8 (attn 1638, MLP 2388) and Basis Sharing 20 % removed (q/k/v 2184, gate/up 2762): §2.2, §5.3
+    assert rank_for(4096, 4096, 0.8) == 1638 and rank_for(11008, 4096, 0.8) == 2388 and rank_for(4096, 11008, 0.8) == 2388
+    assert shared_rank_for(4096, 4096, 2, 0.8) == 2184 and shared_rank_for(11008, 4096, 2, 0.8) == 2762
+    assert rank_for(4096, 4096, 0.6) == 1228 and shared_rank_for(11008, 4096, 2, 0.6) == 2072
+
+
+def test_ranks_dense_cases():
+    assert rank_for(64, 64, 1.0) is None  # keep 1: the dense matrix fits the budget
+    assert rank_for(1, 8, 0.5) is None  # rank 1 holds 9 > 8 parameters
+    assert rank_for(64, 64, 0.999) == 31  # 31·128 < 64·64: factorized
+    assert rank_for(3, 1000, 0.01) == 1  # clamped up to 1
+    assert shared_rank_for(32, 64, 4, 0.95) == 32  # clamped to min(out, in): the checkpoint bounds member ranks
+
+
+# --- the math --------------------------------------------------------------------------------------
+def test_svd_full_rank_is_exact():
+    W = torch.randn(48, 32, dtype=torch.float64)
+    U, V = svd_factors(W, 32)
+    assert U.shape == (48, 32) and V.shape == (32, 32)
+    assert _rel(U @ V, W) < 1e-12
+
+
+def test_svd_llm_full_rank_reproduces_w_and_truncation_is_whitened_optimal():
+    g = torch.Generator().manual_seed(1)
+    W = torch.randn(40, 24, generator=g, dtype=torch.float64)
+    X = torch.randn(500, 24, generator=g, dtype=torch.float64) * torch.logspace(-2, 1, 24, dtype=torch.float64)
+    wh = whiten(X.T @ X)
+    assert wh.kind == "cholesky"
+    U, V = svd_llm_factors(W, wh, 24)
+    assert _rel(U @ V, W) < 1e-10
+    # truncation-aware: the calibration loss at rank r is the norm of the dropped singular values of W S
+    r = 8
+    U, V = svd_llm_factors(W, wh, r)
+    s = torch.linalg.svdvals(W @ wh.S)
+    assert abs(_calib_loss(W, U, V, X) - float(s[r:].norm())) < 1e-8 * float(s.norm())
+    Us, Vs = svd_factors(W, r)
+    assert _calib_loss(W, U, V, X) < _calib_loss(W, Us, Vs, X)  # whitening beats plain SVD on its own loss
+
+
+def test_whitening_fallbacks():
+    g = torch.Generator().manual_seed(2)
+    W = torch.randn(20, 16, generator=g, dtype=torch.float64)
+    X = torch.randn(300, 16, generator=g, dtype=torch.float64)
+    X[:, 5] = 0  # a dead input channel: XᵀX is exactly singular
+    wh = whiten(X.T @ X)
+    assert wh.kind == "damped" and wh.damping > 0
+    assert _rel(wh.S @ wh.S.T, X.T @ X + wh.damping * torch.eye(16, dtype=torch.float64)) < 1e-12
+    U, V = svd_llm_factors(W, wh, 16)
+    assert torch.isfinite(V).all() and _rel(U @ V, W) < 1e-8
+    low = torch.randn(6, 16, generator=g, dtype=torch.float64)  # fewer tokens than inputs: rank 6
+    wh = whiten(low.T @ low)
+    assert wh.kind == "damped"
+    U, V = svd_llm_factors(W, wh, 6)
+    assert torch.isfinite(U).all() and torch.isfinite(V).all()
+    assert _calib_loss(W, U, V, low) < 1e-6 * float((W @ low.T).norm())  # rank 6 suffices on 6 tokens
+    G = torch.diag(torch.tensor([1.0, 2.0, 3.0, -1.0], dtype=torch.float64))  # not PSD beyond any damping
+    wh = whiten(G)
+    assert wh.kind == "eigh"
+    M = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    assert _rel(wh.unwhiten(M), torch.linalg.solve(wh.S.T, M)) < 1e-12
+    assert whiten(torch.zeros(4, 4)).kind == "identity"
+    with pytest.raises(ValueError, match="inf/nan"):
+        whiten(torch.full((3, 3), float("nan")))
+
+
+def test_shared_basis_full_rank_reproduces_members():
+    g = torch.Generator().manual_seed(3)
+    Ws = [torch.randn(16, 24, generator=g, dtype=torch.float64) for _ in range(2)]
+    X = torch.randn(400, 24, generator=g, dtype=torch.float64)
+    V, Us = shared_basis_factors(Ws, whiten(X.T @ X), 24)
+    assert V.shape == (24, 24) and [U.shape for U in Us] == [(16, 24)] * 2
+    for U, W in zip(Us, Ws):
+        assert _rel(U @ V, W) < 1e-10
+    # truncated: the group's summed calibration loss is the dropped singular values of Sᵀ W_cat
+    k = 10
+    wh = whiten(X.T @ X)
+    V, Us = shared_basis_factors(Ws, wh, k)
+    s = torch.linalg.svdvals(wh.S.T @ torch.cat([W.T for W in Ws], dim=1))
+    loss = sum(_calib_loss(W, U, V, X) ** 2 for W, U in zip(Ws, Us)) ** 0.5
+    assert abs(loss - float(s[k:].norm())) < 1e-8 * float(s.norm())
+
+
+# --- calibration -----------------------------------------------------------------------------------
+def test_calibration_grams(tiny_dir):
+    model, _ = load_checkpoint(tiny_dir)
+    tok = Tokenizer.load(tiny_dir)
+    stats = calibrate(model, tok, CALIB, max_tokens=1000, seq_len=128, batch_size=3, progress=False)
+    assert stats.tokens == 1000  # 7 full windows of 128 and one of 104
+    g = stats.grams
+    assert g[proj_name(0, "q")] is g[proj_name(0, "k")] is g[proj_name(0, "v")]
+    assert g[proj_name(2, "gate")] is g[proj_name(2, "up")] and g[proj_name(2, "down")].shape == (80, 80)
+    # the Gram of layer 0's attention input, by hand: RMSNorm of the embeddings of the same 1000 tokens
+    ids = torch.tensor(tok.encode(CALIB.read_text(), bos=True)[:1000])
+    with torch.no_grad():
+        x = model.layers[0].attn_norm(model.embed(ids)).double()
+    assert _rel(g[proj_name(0, "q")], x.T @ x) < 1e-5
+    assert all(t.dtype == torch.float64 for t in g.values())
+
+
+# --- the pipeline on a random model ----------------------------------------------------------------
+def test_keep_one_is_exact_and_factorized_source_is_multiplied_out(tiny_dir, tmp_path):
+    dense, _ = load_checkpoint(tiny_dir)
+    x = torch.randint(0, 512, (2, 40))
+    out = compress_model(tiny_dir, tmp_path / "k1", "svd-llm", 1.0, calib_text=CALIB, progress=False)
+    same, man = load_checkpoint(out)
+    assert man.keep == 1.0 and all(r is None for r in man.ranks.values())
+    assert torch.equal(same(x), dense(x))
+    bs = compress_model(tiny_dir, tmp_path / "bs", "basis-sharing", 0.7, calib_text=CALIB, calib_tokens=2048,
+                        calib_seq_len=128, progress=False)
+    fact, _ = load_checkpoint(bs)
+    again = compress_model(bs, tmp_path / "again", "svd", 1.0, progress=False)
+    dense_again, man = load_checkpoint(again)
+    assert man.provenance["multiplied_out"] and man.provenance["source_family"] == "basis-sharing"
+    for name, lin in dense_again.projections().items():
+        assert torch.allclose(lin.weight, fact.projections()[name].dense_weight(), atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["svd", "svd-llm", "basis-sharing"])
+def test_achieved_keep_recorded(tiny_dir, tmp_path, method):
+    out = compress_model(tiny_dir, tmp_path / method, method, 0.6, calib_text=CALIB, calib_tokens=2048,
+                         calib_seq_len=128, progress=False)
+    model, man = load_checkpoint(out)
+    assert man.family == method and abs(man.keep - 0.6) <= 0.02 * 0.6
+    assert man.provenance["keep_achieved"] == man.keep and man.provenance["keep_requested"] == 0.6
+    assert man.kept_params == sum(p.numel() for n, p in model.named_parameters()
+                                  if n.startswith("bases.") or ".attn." in n or ".mlp." in n)
+    if method != "svd":
+        assert man.provenance["calibration"]["tokens"] == 2048
+
+
+def test_basis_sharing_one_storage_per_group(tiny_dir, tmp_path):
+    out = compress_model(tiny_dir, tmp_path / "bs", "basis-sharing", 0.6, calib_text=CALIB, calib_tokens=2048,
+                         calib_seq_len=128, group_size=2, progress=False)
+    model, man = load_checkpoint(out)
+    # 3 layers -> group [0, 1] shares q, k, v, gate, up; layer 2 is a group of one (private)
+    assert sorted(man.groups) == ["gate.0-1", "k.0-1", "q.0-1", "up.0-1", "v.0-1"]
+    lins = model.projections()
+    for g, members in man.groups.items():
+        assert members == [proj_name(0, g.split(".")[0]), proj_name(1, g.split(".")[0])]
+        assert lins[members[0]].V is lins[members[1]].V
+        assert lins[members[0]].V.data_ptr() == lins[members[1]].V.data_ptr()
+    assert lins[proj_name(0, "q")].V.data_ptr() != lins[proj_name(0, "k")].V.data_ptr()  # q and k: different bases
+    assert proj_name(0, "o") not in {m for ms in man.groups.values() for m in ms}
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    assert {f"bases.{g}.V" for g in man.groups} <= keys
+    assert not any(k.endswith(".V") and k.startswith(("layers.0.attn.q", "layers.1.attn.q", "layers.0.mlp.up"))
+                   for k in keys)  # members store only U
+    assert f"{proj_name(2, 'q')}.V" in keys and f"{proj_name(0, 'o')}.V" in keys  # private projections keep V
+
+
+def test_bad_inputs_leave_nothing(tiny_dir, tmp_path):
+    out = tmp_path / "out" / "model"
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n  \n\n")
+    short = tmp_path / "short.txt"
+    short.write_text("Once upon a time.\n")
+    cases = [
+        (dict(method="svd", keep=0), "keep must be"),
+        (dict(method="svd", keep=1.5), "keep must be"),
+        (dict(method="svd", keep=-0.2), "keep must be"),
+        (dict(method="svd-lm", keep=0.5), "unknown method"),
+        (dict(method="svd-llm", keep=0.5), "needs calibration text"),
+        (dict(method="svd-llm", keep=0.5, calib_text=empty), "is empty"),
+        (dict(method="basis-sharing", keep=0.5, calib_text=blank), "is empty"),
+        (dict(method="svd-llm", keep=0.5, calib_text=short), "gives only"),
+        (dict(method="svd-llm", keep=0.5, calib_text=tmp_path / "nope.txt"), "does not exist"),
+        (dict(method="svd", keep=0.5, model_dir=tmp_path / "no-model"), "not a directory"),
+    ]
+    for kw, msg in cases:
+        kw = {"model_dir": tiny_dir, "out_dir": out, "progress": False, **kw}
+        with pytest.raises(ValueError, match=msg):
+            compress_model(**kw)
+        assert not out.exists()
+        assert not (out.parent.exists() and any(out.parent.iterdir())), list(out.parent.iterdir())
+    with pytest.raises(CheckpointError, match="already exists"):
+        compress_model(tiny_dir, tiny_dir, "svd", 0.5, progress=False)
+
+
+# --- stories260K -----------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_stories260k_svd_llm_beats_svd(tmp_path):
+    held_out = HELD_OUT.read_text()
+    tok = Tokenizer.load(STORIES)
+    ppl = {}
+    for method in ("svd", "svd-llm", "basis-sharing"):
+        out = compress_model(STORIES, tmp_path / method, method, 0.8, calib_text=CALIB, calib_tokens=4096,
+                             calib_seq_len=256, progress=False)
+        model, man = load_checkpoint(out)
+        assert abs(man.keep - 0.8) <= 0.02 * 0.8
+        ppl[method] = perplexity(model, tok, held_out, seq_len=256, max_tokens=4096)["perplexity"]
+    dense, _ = load_checkpoint(STORIES)
+    ppl["dense"] = perplexity(dense, tok, held_out, seq_len=256, max_tokens=4096)["perplexity"]
+    print("\nstories260K keep 0.8, WikiText-2 test first 4096 tokens, seq 256:",
+          ", ".join(f"{k} {v:.1f}" for k, v in ppl.items()))
+    assert ppl["dense"] < ppl["svd-llm"] < ppl["svd"]
+    assert ppl["basis-sharing"] < ppl["svd"]
+    model, man = load_checkpoint(tmp_path / "basis-sharing")
+    assert sorted(man.groups) == sorted(f"{p}.{a}-{a + 1}" for p in ("q", "k", "v", "gate", "up") for a in (0, 2))
