@@ -167,22 +167,29 @@ def generate_cmd(
 def eval_cmd(
     model: Path = typer.Argument(...),
     data: Path = typer.Option(..., "--data", help="held-out text file"),
-    reference: Optional[Path] = typer.Option(None, "--reference", help="dense model for top-1 agreement and KL"),
-    seq_len: int = typer.Option(256, "--seq-len", help="window length in tokens"),
-    stride: int = typer.Option(128, "--stride", help="tokens between window starts"),
+    reference: Optional[Path] = typer.Option(None, "--reference", help="dense model: top-1 agreement, KL, greedy identity"),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="greedy-identity prompts (default bench/prompts/fidelity.txt)"),
+    greedy_tokens: int = typer.Option(16, "--greedy-tokens", help="greedy tokens compared per prompt"),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="window length in tokens (default min(2048, context))"),
+    stride: Optional[int] = typer.Option(None, "--stride", help="new tokens scored per window (default seq-len)"),
     max_tokens: int = typer.Option(0, "--max-tokens", help="score at most this many tokens (0 = all)"),
+    markdown: Optional[Path] = typer.Option(None, "--markdown", help="also write the result as a markdown table here"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Perplexity over a text file with a sliding window; agreement and KL against --reference."""
+    """Fidelity suite: perplexity over a text file (sliding window); with --reference also top-1 agreement, KL and
+    greedy identity over a fixed prompt set."""
 
     def body():
-        from rankserve.compress.evaluate import evaluate
+        from rankserve.compress.fidelity import fidelity, fidelity_table
 
-        res = evaluate(model, data, reference_dir=reference, seq_len=seq_len, stride=stride,
-                       max_tokens=max_tokens or None, progress=not as_json)
+        res = fidelity(model, data, reference_dir=reference, prompts_path=prompts, n_tokens=greedy_tokens,
+                       seq_len=seq_len, stride=stride, max_tokens=max_tokens or None, progress=not as_json)
+        if markdown is not None:
+            markdown.write_text(fidelity_table([res]))
         human = f"perplexity {res['perplexity']:.4f} over {res['tokens']} tokens"
         if "top1_agreement" in res:
-            human += f"; top-1 agreement {res['top1_agreement']:.4f}, KL {res['kl']:.5f} vs {reference}"
+            human += (f"; top-1 agreement {res['top1_agreement']:.4f}, KL {res['kl']:.5f}, greedy identity "
+                      f"{res['greedy_identity']:.3f} vs {reference} (perplexity {res['reference_perplexity']:.4f})")
         _emit(as_json, res, human)
 
     _run(body)
