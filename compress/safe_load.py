@@ -18,6 +18,8 @@ from __future__ import annotations
 import _compat_pickle
 import collections
 import pickle
+import re
+import warnings
 import types
 import zipfile
 from pathlib import Path
@@ -35,11 +37,15 @@ def load_torch_file(path: str | Path, trust_pickle: bool = False) -> Any:
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about legacy pickle protocols on stderr
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError) as e:
         if not trust_pickle:
-            raise CheckpointError(f"{path} needs arbitrary pickled code to load ({str(e).splitlines()[0][:160]}); "
-                                  "refusing. Pass --trust-pickle only if you trust its source") from None
+            found = re.search(r"GLOBAL ([\w.]+)", str(e))  # the callable the pickle asks for, when torch names it
+            what = f" (it calls {found[1]})" if found else ""
+            raise CheckpointError(f"{path} needs arbitrary pickled code to load{what}; refusing. "
+                                  "Pass --trust-pickle only if you trust its source") from None
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
