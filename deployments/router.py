@@ -1,0 +1,390 @@
+"""Router: the ingress. HTTP (OpenAI-shaped, FastAPI) and gRPC (`rankserve.Generator`) on one class.
+
+Per request: auth -> parse + validate (schemas.py, shared by both protocols) -> embed the prompt (MiniLM, batched
+across concurrent requests) -> rank-cache lookup for the family's model version -> the family's Worker, with the
+cached rank subset or none (a miss: the worker's own choice comes back and is written to the cache).
+
+HTTP:  POST /v1/completions (SSE when "stream": true), GET /v1/models, GET /healthz (liveness), GET /readyz
+gRPC:  Generate, GenerateStream (port from the Serve config's grpc_options)
+Status mapping, both protocols: bad input 400 / INVALID_ARGUMENT, key 401 / UNAUTHENTICATED, deadline 408 /
+DEADLINE_EXCEEDED, queue full or replica lost 503 / UNAVAILABLE; only our own bugs give 500 / INTERNAL.
+"""
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import grpc
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
+from ray.serve.handle import DeploymentHandle
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+from rankserve.deployments.auth import ApiKeys
+from rankserve.deployments.schemas import (CompletionRequest, FamilyLimits, RequestError, check_request, chunk_body,
+                                           completion_body, error_body, from_proto, new_id, parse_request, usage)
+from rankserve.deployments.worker import LATENCY_BUCKETS
+from rankserve.proto import rankserve_pb2 as pb
+from rankserve.rank_cache import Embedder, Hit, RankCache
+
+log = logging.getLogger("ray.serve")
+api = FastAPI(title="rankserve", docs_url=None, redoc_url=None)
+OVERHEAD_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1]
+GRPC_CODE = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+             408: grpc.StatusCode.DEADLINE_EXCEEDED, 503: grpc.StatusCode.UNAVAILABLE, 500: grpc.StatusCode.INTERNAL}
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 408: "timeout", 503: "unavailable",
+              500: "internal_error"}
+
+
+class Failure(Exception):
+    """A request that ends with an error status (HTTP code; the gRPC code follows from GRPC_CODE)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(status, message, param)  # args == the constructor's: it pickles across Ray processes
+        self.status, self.message, self.param = status, message, param
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass
+class Routed:
+    """A validated request with its rank-cache outcome."""
+
+    req: CompletionRequest
+    version: str  # the family's model version (rank-cache namespace)
+    vec: np.ndarray  # (384,) prompt embedding
+    hit: Hit | None
+    overhead_s: float  # embed + cache lookup
+    lookup_s: float  # cache lookup alone
+
+
+# Helpers sit above the class: @serve.ingress pickles the FastAPI routes by value while the module is still
+# being executed, so names defined below the class would be missing inside the routes.
+def _sse_line(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _unavailable(family: str, e: Exception) -> Failure:
+    """Map a failure to reach a worker to 503 (retryable) and anything else to 500, logging the latter."""
+    if isinstance(e, BackPressureError):
+        return Failure(503, f"the {family} queue is full; retry later")
+    if isinstance(e, (RayActorError, DeploymentUnavailableError, ReplicaUnavailableError)):
+        return Failure(503, f"a {family} replica was lost ({type(e).__name__}); retry")
+    log.exception("request to %s failed", family, exc_info=e)
+    return Failure(500, f"internal error in {family} ({type(e).__name__}); see the server logs")
+
+
+@serve.deployment(name="Router", max_ongoing_requests=256)
+@serve.ingress(api)
+class Router:
+    async def __init__(
+        self,
+        workers: dict[str, DeploymentHandle],
+        limits: dict[str, dict[str, Any]],  # family -> FamilyLimits fields
+        redis_url: str | None = None,  # None: no rank cache
+        rank_cache: dict[str, Any] | None = None,  # RankCache options: threshold, max_entries, thresholds
+        api_key_env: str | None = None,  # name of the environment variable holding comma-separated API keys
+        embed_device: str = "cpu",
+        embed_threads: int = 1,
+    ):
+        import torch
+
+        torch.set_num_threads(embed_threads)
+        self.workers = workers
+        self.limits = {f: FamilyLimits(**v) for f, v in limits.items()}
+        self.keys = ApiKeys.from_env(api_key_env)
+        self.embedder = Embedder(device=embed_device)
+        self.cache = RankCache(redis_url, **(rank_cache or {})) if redis_url else None
+        if self.cache is not None:
+            self.cache.start([])
+        self.versions: dict[str, str] = {}
+        self._versions_locks = {f: asyncio.Lock() for f in self.limits}  # one family's slow start blocks only it
+        self._background: set[asyncio.Task] = set()
+
+        fam, proto = ("family",), ("family", "protocol")
+        self.m_requests = Counter("rankserve_requests", "requests answered by the router, by status",
+                                  tag_keys=("family", "protocol", "status"))
+        self.m_latency = Histogram("rankserve_request_latency_seconds", "request in to last byte out",
+                                   LATENCY_BUCKETS, proto)
+        self.m_ttft = Histogram("rankserve_time_to_first_token_seconds", "request in to first token out (streams)",
+                                LATENCY_BUCKETS, proto)
+        self.m_overhead = Histogram("rankserve_router_overhead_seconds", "embed + rank-cache lookup",
+                                    OVERHEAD_BUCKETS, fam)
+        self.m_embed = Histogram("rankserve_embed_seconds", "MiniLM embedding of the prompt", OVERHEAD_BUCKETS, fam)
+        self.m_lookup = Histogram("rankserve_rank_cache_lookup_seconds", "local FAISS lookup", OVERHEAD_BUCKETS, fam)
+        self.m_hits = Counter("rankserve_rank_cache_hits", "rank-cache hits", tag_keys=fam)
+        self.m_misses = Counter("rankserve_rank_cache_misses", "rank-cache misses", tag_keys=fam)
+        self.m_size = Gauge("rankserve_rank_cache_size", "entries in this replica's index", tag_keys=fam)
+        self.m_redis_up = Gauge("rankserve_rank_cache_redis_up", "1 if Redis answers, 0 if serving without it")
+        self._report_redis()
+        self._housekeeping = asyncio.create_task(self._keep_house())
+
+    # ---- HTTP ------------------------------------------------------------------------------------------------
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        t0 = time.perf_counter()
+        family = "-"
+        try:
+            self._authorize(request.headers.items())
+            routed = await self._route(await request.body())
+            family = routed.req.model
+            headers = {"x-rankserve-rank-cache": "hit" if routed.hit else "miss",
+                       "x-rankserve-overhead-ms": f"{routed.overhead_s * 1e3:.3f}",
+                       "x-rankserve-lookup-ms": f"{routed.lookup_s * 1e3:.3f}"}
+            if routed.req.stream:
+                events = self._events(routed)
+                first = await anext(events)  # errors before the first token still get a proper status
+                return StreamingResponse(self._sse(routed, first, events, t0), media_type="text/event-stream",
+                                         headers=headers)
+            out = await self._generate(routed)
+        except Failure as f:
+            self._count(family, "http", f.status, t0)
+            return JSONResponse(error_body(f.message, ERROR_TYPE[f.status], f.param), status_code=f.status,
+                                headers={"www-authenticate": "Bearer"} if f.status == 401 else None)
+        self._count(family, "http", 200, t0)
+        body = completion_body(new_id(), family, out["text"], out["finish_reason"], out["prompt_tokens"],
+                               out["completion_tokens"])
+        return JSONResponse(body, headers=headers)
+
+    async def _sse(self, routed: Routed, first: dict, events: AsyncIterator[dict], t0: float):
+        """Server-sent events: one chunk per released piece of text, then the finish chunk and [DONE]."""
+        id, family, n_prompt = new_id(), routed.req.model, first["prompt_tokens"]
+        tags = {"family": family, "protocol": "http"}
+        first_token, status = True, 200
+        try:
+            async for ev in events:
+                if ev["event"] == "token" and ev["text"]:
+                    if first_token:
+                        self.m_ttft.observe(time.perf_counter() - t0, tags=tags)
+                        first_token = False
+                    yield _sse_line(chunk_body(id, family, ev["text"]))
+                elif ev["event"] == "end":
+                    yield _sse_line(chunk_body(id, family, "", ev["finish_reason"],
+                                               usage(n_prompt, ev["completion_tokens"])))
+            yield "data: [DONE]\n\n"
+        except Failure as f:  # mid-stream: the status line is sent, so report in-band
+            status = f.status
+            yield _sse_line(error_body(f.message, ERROR_TYPE[f.status]))
+        except (asyncio.CancelledError, GeneratorExit):
+            status = 499  # client closed the connection; the worker stops at its next token
+            raise
+        finally:
+            await events.aclose()
+            self._count(family, "http", status, t0)
+
+    @api.get("/v1/models")
+    async def models(self, request: Request):
+        try:
+            self._authorize(request.headers.items())
+        except Failure as f:
+            return JSONResponse(error_body(f.message, ERROR_TYPE[401]), status_code=401,
+                                headers={"www-authenticate": "Bearer"})
+        return {"object": "list", "data": [
+            {"id": f, "object": "model", "owned_by": "rankserve", "max_tokens": lim.max_tokens,
+             "model_version": self.versions.get(f)} for f, lim in sorted(self.limits.items())]}
+
+    @api.get("/healthz")
+    async def healthz(self):
+        return {"status": "ok"}
+
+    @api.get("/readyz")
+    async def readyz(self):
+        """Ready when every family's worker answers; the rank cache is reported, not required."""
+        missing = []
+        for f in self.limits:
+            try:
+                await asyncio.wait_for(self._version(f), timeout=5)
+            except Exception as e:  # readiness reports any failure to reach a worker as "not ready"
+                missing.append(f"{f}: {type(e).__name__}")
+        body = {"status": "ok" if not missing else "unavailable", "families": self.versions,
+                "unavailable": missing, "rank_cache_redis_up": bool(self.cache and self.cache.redis_up)}
+        return JSONResponse(body, status_code=200 if not missing else 503)
+
+    # ---- gRPC ------------------------------------------------------------------------------------------------
+
+    async def Generate(self, request: pb.GenerateRequest, grpc_context) -> pb.GenerateReply:
+        t0 = time.perf_counter()
+        family = "-"
+        try:
+            self._authorize(grpc_context.invocation_metadata())
+            routed = await self._route(from_proto(request))
+            family = routed.req.model
+            out = await self._generate(routed)
+        except Failure as f:
+            self._count(family, "grpc", f.status, t0)
+            grpc_context.set_code(GRPC_CODE[f.status])
+            grpc_context.set_details(f.message)
+            return pb.GenerateReply()
+        self._count(family, "grpc", 200, t0)
+        return pb.GenerateReply(
+            id=new_id(), model=family, text=out["text"], token_ids=out["token_ids"], finish_reason=out["finish_reason"],
+            usage=pb.Usage(**usage(out["prompt_tokens"], out["completion_tokens"])), rank_cache_hit=routed.hit is not None)
+
+    async def GenerateStream(self, request: pb.GenerateRequest, grpc_context) -> AsyncIterator[pb.GenerateChunk]:
+        t0 = time.perf_counter()
+        family, status, id, events = "-", 200, new_id(), None
+        try:
+            self._authorize(grpc_context.invocation_metadata())
+            routed = await self._route(from_proto(request))
+            family = routed.req.model
+            tags = {"family": family, "protocol": "grpc"}
+            events = self._events(routed)
+            n_prompt = (await anext(events))["prompt_tokens"]
+            first_token = True
+            async for ev in events:
+                if ev["event"] == "token" and ev["text"]:
+                    if first_token:
+                        self.m_ttft.observe(time.perf_counter() - t0, tags=tags)
+                        first_token = False
+                    yield pb.GenerateChunk(id=id, text=ev["text"], token_id=ev["token_id"])
+                elif ev["event"] == "end":
+                    yield pb.GenerateChunk(id=id, finish_reason=ev["finish_reason"],
+                                           usage=pb.Usage(**usage(n_prompt, ev["completion_tokens"])))
+        except Failure as f:
+            status = f.status
+            grpc_context.set_code(GRPC_CODE[f.status])
+            grpc_context.set_details(f.message)
+            raise  # a stream's status only reaches the client through an exception (Serve keeps the code set here)
+        except (asyncio.CancelledError, GeneratorExit):
+            status = 499
+            raise
+        finally:
+            if events is not None:
+                await events.aclose()
+            self._count(family, "grpc", status, t0)
+
+    # ---- shared path -----------------------------------------------------------------------------------------
+
+    def _authorize(self, headers) -> None:
+        if not self.keys.allows(list(headers)):
+            raise Failure(401, "missing or invalid API key: send 'Authorization: Bearer <key>' "
+                               "(gRPC: metadata 'authorization')")
+
+    async def _route(self, body: bytes | dict[str, Any]) -> Routed:
+        """Validate (the one validation of both protocols), embed, look up the rank cache."""
+        try:
+            req = parse_request(body)
+            check_request(req, self.limits)
+        except RequestError as e:
+            raise Failure(400, e.message, e.param) from None
+        version = await self._version(req.model)
+        t0 = time.perf_counter()
+        vec = await self._embed(req.prompt)
+        t1 = time.perf_counter()
+        hit = self.cache.lookup(req.model, version, vec) if self.cache else None
+        t2 = time.perf_counter()
+        tags = {"family": req.model}
+        self.m_embed.observe(t1 - t0, tags=tags)
+        self.m_lookup.observe(t2 - t1, tags=tags)
+        self.m_overhead.observe(t2 - t0, tags=tags)
+        (self.m_hits if hit else self.m_misses).inc(tags=tags)
+        if self.cache is not None:
+            self.m_size.set(self.cache.size(req.model, version), tags=tags)
+        self._report_redis()
+        return Routed(req, version, vec, hit, t2 - t0, t2 - t1)
+
+    async def _generate(self, routed: Routed) -> dict[str, Any]:
+        req = routed.req
+        try:
+            out = await self.workers[req.model].generate.remote(req.prompt, req.sampling(), routed.hit is not None,
+                                                                routed.hit.subset if routed.hit else None)
+        except Exception as e:
+            raise _unavailable(req.model, e)
+        if out["event"] == "error":
+            raise Failure(out["status"], out["message"], out["param"])
+        if routed.hit is None:
+            self._write_back(routed, out["subset"])
+        if out["finish_reason"] == "timeout":
+            raise Failure(408, f"the request passed the {req.model} request timeout after "
+                               f"{out['completion_tokens']} tokens; ask for fewer tokens or stream")
+        return out
+
+    async def _events(self, routed: Routed) -> AsyncIterator[dict]:
+        """The worker's event stream; raises Failure for an error event. Cancelling this cancels the worker."""
+        req = routed.req
+        gen = self.workers[req.model].options(stream=True).stream.remote(
+            req.prompt, req.sampling(), routed.hit is not None, routed.hit.subset if routed.hit else None)
+        done = False
+        try:
+            async for ev in gen:
+                if ev["event"] == "error":
+                    raise Failure(ev["status"], ev["message"], ev["param"])
+                if ev["event"] == "start" and routed.hit is None:
+                    self._write_back(routed, ev["subset"])
+                yield ev
+            done = True
+        except Failure:
+            raise
+        except Exception as e:  # CancelledError / GeneratorExit (client gone) are BaseExceptions: they pass
+            raise _unavailable(req.model, e)
+        finally:
+            if not done:
+                gen.cancel()  # the client went away (or we failed): stop the worker at its next token
+
+    async def _version(self, family: str) -> str:
+        """The family's model version, asked of its worker once; starts tracking that rank-cache space."""
+        if family not in self.versions:
+            async with self._versions_locks[family]:
+                if family not in self.versions:
+                    try:
+                        info = await self.workers[family].info.remote()
+                    except Exception as e:
+                        raise _unavailable(family, e)
+                    if self.cache is not None:
+                        await asyncio.to_thread(self.cache.track, family, info["model_version"])
+                    self.versions[family] = info["model_version"]
+        return self.versions[family]
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
+    async def _embed(self, prompts: list[str]) -> list[np.ndarray]:
+        """Concurrent requests' prompts embedded together, off the event loop."""
+        x = await asyncio.to_thread(self.embedder.embed, prompts)  # (N, 384)
+        return list(x)
+
+    def _write_back(self, routed: Routed, subset: dict | None) -> None:
+        """Store the worker's choice for this prompt, in the background (Redis being slow never delays a token)."""
+        if self.cache is None:
+            return
+        task = asyncio.create_task(asyncio.to_thread(self.cache.insert, routed.req.model, routed.version,
+                                                     routed.vec, subset))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _keep_house(self, period_s: float = 5.0) -> None:
+        """At start, learn every family's model version, which loads its rank-cache space from Redis (requests
+        would do it lazily otherwise); then keep the cache gauges current even without traffic."""
+        pending = set(self.limits)
+        while True:
+            for f in list(pending):
+                try:
+                    await asyncio.wait_for(self._version(f), timeout=period_s)
+                    pending.discard(f)
+                except Exception as e:  # the worker isn't up yet: try again next round (requests retry on their own)
+                    log.debug("rank cache for %s not loaded yet: %s", f, e)
+            self._report_redis()
+            if self.cache is not None:
+                for f, v in self.versions.items():
+                    self.m_size.set(self.cache.size(f, v), tags={"family": f})
+            await asyncio.sleep(period_s)
+
+    def _report_redis(self) -> None:
+        self.m_redis_up.set(1 if self.cache is not None and self.cache.redis_up else 0)
+
+    def _count(self, family: str, protocol: str, status: int, t0: float) -> None:
+        self.m_requests.inc(tags={"family": family, "protocol": protocol, "status": str(status)})
+        self.m_latency.observe(time.perf_counter() - t0, tags={"family": family, "protocol": protocol})
+
+    def __del__(self):  # Serve calls this when it stops the replica
+        if getattr(self, "_housekeeping", None) is not None:
+            self._housekeeping.cancel()
+        if getattr(self, "cache", None) is not None:
+            self.cache.close()

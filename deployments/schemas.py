@@ -1,0 +1,159 @@
+"""The one request schema and the one validation behind both HTTP (`POST /v1/completions`) and gRPC (`Generate`).
+
+HTTP bodies and gRPC messages are both turned into a `CompletionRequest` by `parse_request`, then checked against
+the served families by `check_request`; any problem raises `RequestError`, which the router answers with
+400 (HTTP) or INVALID_ARGUMENT (gRPC) and the message, never a 500. The one check this module can't make,
+prompt length in tokens against the context, is made by the worker with the family's tokenizer and reported
+the same way.
+
+Defaults follow OpenAI's completions API: max_tokens 16, temperature 1.0, top_p 1.0.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_STOP = 4  # OpenAI's limit on stop strings
+MAX_PROMPT_CHARS = 1_000_000  # refuse absurd bodies before tokenizing them; the token limit is the real bound
+
+
+class RequestError(ValueError):
+    """A client error: HTTP 400 / gRPC INVALID_ARGUMENT with `message`; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+class CompletionRequest(BaseModel):
+    """OpenAI-shaped completion request. Fields OpenAI has and we don't (logprobs, echo, ...) are refused, so a
+    client never silently gets something other than what it asked for."""
+
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+    model: str = Field(min_length=1)  # the compression family, e.g. "svd-llm"
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    max_tokens: int = Field(16, gt=0)  # the upper bound is per family: check_request
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)  # 0 = greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(0, ge=0)  # 0 = off (a vLLM extra)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP)
+    stream: bool = False
+    n: Literal[1] = 1  # one choice per request
+    user: str | None = None  # accepted for OpenAI clients, unused
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v: Any) -> Any:
+        if v is None:
+            return []
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_nonempty(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @field_validator("max_tokens", "top_k", "seed", mode="before")
+    @classmethod
+    def _no_float_ints(cls, v: Any) -> Any:
+        if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+            raise ValueError("must be an integer")
+        return v
+
+    def sampling(self) -> dict[str, Any]:
+        """What the worker needs to build `SamplingParams` (a plain dict: it crosses process boundaries)."""
+        return dict(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                    top_k=self.top_k, seed=self.seed, stop=tuple(self.stop))
+
+
+@dataclass
+class FamilyLimits:
+    """What the router checks per family before calling its worker."""
+
+    max_tokens: int  # upper bound on max_tokens
+
+
+def parse_request(body: bytes | str | dict) -> CompletionRequest:
+    """A JSON body (bytes/str) or an already-decoded dict -> CompletionRequest, or RequestError saying what is wrong."""
+    if isinstance(body, (bytes, str)):
+        try:
+            body = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RequestError(f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise RequestError(f"the body must be a JSON object, got {type(body).__name__}")
+    try:
+        return CompletionRequest.model_validate(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field (supported: " + ", ".join(CompletionRequest.model_fields) + ")"
+        elif err["type"] == "missing":
+            msg = "field required"
+        raise RequestError(f"{param}: {msg}" if param else msg, param) from None
+
+
+def check_request(req: CompletionRequest, families: dict[str, FamilyLimits]) -> FamilyLimits:
+    """Checks that depend on what is served: the family exists and max_tokens is within its limit."""
+    limits = families.get(req.model)
+    if limits is None:
+        raise RequestError(f"model: unknown model {req.model!r}; served: {', '.join(sorted(families))}", "model")
+    if req.max_tokens > limits.max_tokens:
+        raise RequestError(f"max_tokens: {req.max_tokens} is above this model's limit of {limits.max_tokens}",
+                           "max_tokens")
+    return limits
+
+
+def from_proto(msg) -> dict[str, Any]:
+    """A `rankserve.GenerateRequest` -> the same dict an HTTP body would be (unset optional fields left out)."""
+    d: dict[str, Any] = {"model": msg.model, "prompt": msg.prompt}
+    for f in ("max_tokens", "temperature", "top_p", "seed", "top_k"):
+        if msg.HasField(f):
+            d[f] = getattr(msg, f)
+    if msg.stop:
+        d["stop"] = list(msg.stop)
+    return d
+
+
+# ---- responses (OpenAI shapes) ----------------------------------------------------------------------------------
+
+def new_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens)
+
+
+def completion_body(id: str, model: str, text: str, finish_reason: str, prompt_tokens: int,
+                    completion_tokens: int) -> dict[str, Any]:
+    return {"id": id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chunk_body(id: str, model: str, text: str, finish_reason: str | None = None,
+               usage_: dict[str, int] | None = None) -> dict[str, Any]:
+    body = {"id": id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}]}
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}

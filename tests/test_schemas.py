@@ -1,0 +1,94 @@
+"""The one request validation (HTTP bodies and gRPC messages) and the API-key check. Pure logic, fast.
+
+Run alone:  .venv/bin/python -m pytest tests/test_schemas.py -q
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rankserve.deployments.auth import ApiKeys
+from rankserve.deployments.schemas import FamilyLimits, RequestError, check_request, from_proto, parse_request
+
+FAMILIES = {"svd-llm": FamilyLimits(max_tokens=256), "basis-sharing": FamilyLimits(max_tokens=256)}
+OK = {"model": "svd-llm", "prompt": "Once upon a time"}
+
+
+def test_defaults_are_openai_s():
+    r = parse_request(json.dumps(OK).encode())
+    assert (r.max_tokens, r.temperature, r.top_p, r.top_k, r.seed, r.stop, r.stream) == (16, 1.0, 1.0, 0, None, [], False)
+    check_request(r, FAMILIES)
+    assert r.sampling() == dict(max_new_tokens=16, temperature=1.0, top_p=1.0, top_k=0, seed=None, stop=())
+
+
+def test_stop_string_or_list():
+    assert parse_request({**OK, "stop": "\n"}).stop == ["\n"]
+    assert parse_request({**OK, "stop": ["a", "b"]}).stop == ["a", "b"]
+    assert parse_request({**OK, "stop": None}).stop == []
+
+
+@pytest.mark.parametrize("body, param, words", [
+    (b"{not json", None, "not valid JSON"),
+    (b"[1, 2]", None, "JSON object"),
+    (b"\xff\xfe", None, "not valid JSON"),
+    ({"prompt": "x"}, "model", "field required"),
+    ({"model": "svd-llm"}, "prompt", "field required"),
+    ({**OK, "prompt": ""}, "prompt", "at least 1"),
+    ({**OK, "prompt": ["a", "b"]}, "prompt", "valid string"),
+    ({**OK, "max_tokens": 0}, "max_tokens", "greater than 0"),
+    ({**OK, "max_tokens": -5}, "max_tokens", "greater than 0"),
+    ({**OK, "max_tokens": 1.5}, "max_tokens", "integer"),
+    ({**OK, "max_tokens": "many"}, "max_tokens", "integer"),
+    ({**OK, "temperature": -0.1}, "temperature", "greater than or equal to 0"),
+    ({**OK, "temperature": float("nan")}, "temperature", "finite"),
+    ({**OK, "top_p": 0}, "top_p", "greater than 0"),
+    ({**OK, "top_p": 1.01}, "top_p", "less than or equal to 1"),
+    ({**OK, "top_k": -1}, "top_k", "greater than or equal to 0"),
+    ({**OK, "stop": ["a", ""]}, "stop", "non-empty"),
+    ({**OK, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+    ({**OK, "n": 2}, "n", "1"),
+    ({**OK, "logprobs": 3}, "logprobs", "unknown field"),
+    ({**OK, "stream": "maybe"}, "stream", "boolean"),
+])
+def test_bad_bodies(body, param, words):
+    with pytest.raises(RequestError) as e:
+        parse_request(body)
+    assert e.value.param == param
+    assert words.lower() in e.value.message.lower(), e.value.message
+
+
+def test_family_checks():
+    with pytest.raises(RequestError, match="unknown model 'dense'.*served: basis-sharing, svd-llm"):
+        check_request(parse_request({**OK, "model": "dense"}), FAMILIES)
+    with pytest.raises(RequestError, match="max_tokens: 257 is above this model's limit of 256"):
+        check_request(parse_request({**OK, "max_tokens": 257}), FAMILIES)
+
+
+def test_proto_goes_through_the_same_validation():
+    from rankserve.proto import rankserve_pb2 as pb
+
+    d = from_proto(pb.GenerateRequest(model="svd-llm", prompt="hi"))
+    assert d == {"model": "svd-llm", "prompt": "hi"}  # unset optionals take the HTTP defaults
+    d = from_proto(pb.GenerateRequest(model="svd-llm", prompt="hi", max_tokens=0, temperature=0.0, stop=["."]))
+    assert d["temperature"] == 0.0 and d["stop"] == ["."]
+    with pytest.raises(RequestError, match="max_tokens"):
+        parse_request(d)  # max_tokens=0 was set explicitly, so it is refused rather than defaulted
+    with pytest.raises(RequestError, match="prompt"):
+        parse_request(from_proto(pb.GenerateRequest(model="svd-llm")))
+
+
+def test_api_keys(monkeypatch):
+    assert ApiKeys.from_env(None).allows({})  # off
+    monkeypatch.setenv("RS_KEYS", "k1, k2")
+    keys = ApiKeys.from_env("RS_KEYS")
+    assert keys.enabled
+    assert keys.allows({"authorization": "Bearer k1"})
+    assert keys.allows([("authorization", "bearer k2")])
+    assert keys.allows([("x-api-key", "k2")])
+    assert not keys.allows({})
+    assert not keys.allows({"authorization": "Bearer nope"})
+    assert not keys.allows({"authorization": "k1"})  # scheme required
+    monkeypatch.setenv("RS_EMPTY", "")
+    assert not ApiKeys.from_env("RS_EMPTY").enabled

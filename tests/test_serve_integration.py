@@ -1,0 +1,333 @@
+"""The service end to end on CPU: real Ray Serve (configs/serve.local.yaml, ports moved to free ones), a real
+redis-server, real HTTP and gRPC over sockets, the two families built from the bundled model.
+
+Checks: HTTP, SSE, gRPC Generate and GenerateStream give `rankserve generate`'s greedy text; a similar prompt hits
+the rank cache (visible in /metrics); bad input is 400 / INVALID_ARGUMENT with a message; a missing or wrong key is
+401 / UNAUTHENTICATED; a client that goes away cancels its generation; the request timeout answers 408 /
+DEADLINE_EXCEEDED; a full queue is refused with 503 / UNAVAILABLE; with Redis stopped the service still answers
+(and picks Redis up again).
+
+Run alone:  .venv/bin/python -m pytest tests/test_serve_integration.py -q     (~2 min; needs redis-server)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from servers import RedisServer, free_port
+
+pytestmark = [pytest.mark.serve, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "test-key-1"
+AUTH = {"authorization": f"Bearer {KEY}"}
+GRPC_AUTH = (("authorization", f"Bearer {KEY}"),)
+PROMPT = "Once upon a time, there was a little girl named Lily."
+SIMILAR = "Once upon a time there was a little girl called Lily."
+N = 24  # tokens per greedy check
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory):
+    srv = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def service(redis):
+    from rankserve.deployments.local import LocalService, ensure_models
+
+    models = ensure_models(quiet=True)
+    cfg = yaml.safe_load((ROOT / "configs" / "serve.local.yaml").read_text())
+    cfg["http_options"]["port"] = free_port()
+    cfg["grpc_options"]["port"] = free_port()
+    (app,) = cfg["applications"]
+    app["args"]["redis_url"] = redis.url
+    fams = app["args"]["families"]
+    for name, path in models.items():
+        fams[name]["model_dir"] = str(path)
+    # A third family with a tiny deadline, to see the request timeout at work.
+    fams["deadline"] = {**fams["svd-llm"], "request_timeout_s": 0.2}
+    # ... and a queue of one, to see backpressure: past it the router answers 503 / UNAVAILABLE at once.
+    app["deployments"].append({"name": "Worker-deadline", "num_replicas": 1, "max_ongoing_requests": 1,
+                               "max_queued_requests": 1, "ray_actor_options": {"num_cpus": 0.5}})
+    old = os.environ.get(app["args"]["api_key_env"])
+    os.environ[app["args"]["api_key_env"]] = KEY  # replicas inherit the driver's environment
+    svc = LocalService(cfg, start_redis=False)
+    try:
+        svc.start()
+        yield svc
+    finally:
+        svc.stop()
+        if old is None:
+            os.environ.pop(app["args"]["api_key_env"])
+        else:
+            os.environ[app["args"]["api_key_env"]] = old
+
+
+@pytest.fixture(scope="module")
+def stub(service):
+    from rankserve.proto import rankserve_pb2_grpc
+
+    with grpc.insecure_channel(service.grpc_target) as ch:
+        yield rankserve_pb2_grpc.GeneratorStub(ch)
+
+
+def post(service, body, headers=AUTH, **kw):
+    return httpx.post(service.http_url + "/v1/completions", json=body, headers=headers, timeout=60, **kw)
+
+
+def sse(service, body) -> tuple[str, list[dict]]:
+    chunks = []
+    with httpx.stream("POST", service.http_url + "/v1/completions", json={**body, "stream": True}, headers=AUTH,
+                      timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [l for l in r.iter_lines() if l]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(l[len("data: "):]) for l in lines[:-1]]
+    return "".join(c["choices"][0]["text"] for c in chunks), chunks
+
+
+def metric(service, name: str, **labels) -> float:
+    """Sum of a Prometheus sample over Ray's metrics endpoint (all replicas), filtered by labels."""
+    text = httpx.get(service.metrics_url, timeout=10).text
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def wait_for(cond, timeout=30.0, what="condition"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def cli_generate(model_dir: str, prompt: str, n: int) -> dict:
+    out = subprocess.run([sys.executable, "-m", "rankserve.cli", "generate", model_dir, "--prompt", prompt,
+                          "--max-new-tokens", str(n), "--json"], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+# ---- same greedy text on every path ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["svd-llm", "basis-sharing"])
+def test_every_path_gives_the_cli_greedy_text(service, stub, family):
+    from rankserve.proto import rankserve_pb2 as pb
+
+    model_dir = service.app["args"]["families"][family]["model_dir"]
+    ref = cli_generate(model_dir, PROMPT, N)
+    body = {"model": family, "prompt": PROMPT, "max_tokens": N, "temperature": 0}
+
+    r = post(service, body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "text_completion" and out["model"] == family
+    assert out["choices"][0]["text"] == ref["text"]
+    assert out["usage"] == {"prompt_tokens": ref["num_prompt_tokens"], "completion_tokens": len(ref["token_ids"]),
+                            "total_tokens": ref["num_prompt_tokens"] + len(ref["token_ids"])}
+
+    text, chunks = sse(service, body)
+    assert text == ref["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == ref["finish_reason"]
+
+    req = pb.GenerateRequest(model=family, prompt=PROMPT, max_tokens=N, temperature=0.0)
+    rep = stub.Generate(req, metadata=GRPC_AUTH, timeout=60)
+    assert rep.text == ref["text"] and list(rep.token_ids) == ref["token_ids"]
+    assert rep.finish_reason == ref["finish_reason"] and rep.usage.prompt_tokens == ref["num_prompt_tokens"]
+
+    chunks = list(stub.GenerateStream(req, metadata=GRPC_AUTH, timeout=60))
+    assert "".join(c.text for c in chunks) == ref["text"]
+    assert chunks[-1].finish_reason == ref["finish_reason"]
+    assert chunks[-1].usage.completion_tokens == len(ref["token_ids"])
+
+
+def test_models_and_health(service):
+    r = httpx.get(service.http_url + "/v1/models", headers=AUTH, timeout=10)
+    assert r.status_code == 200
+    assert {m["id"] for m in r.json()["data"]} == {"svd-llm", "basis-sharing", "deadline"}
+    # the router learned every family's model version at start (and loaded those rank-cache spaces from Redis)
+    wait_for(lambda: all(m["model_version"] for m in httpx.get(service.http_url + "/v1/models", headers=AUTH,
+                                                                timeout=10).json()["data"]), what="model versions")
+    assert httpx.get(service.http_url + "/healthz", timeout=10).json() == {"status": "ok"}
+    ready = httpx.get(service.http_url + "/readyz", timeout=30)
+    assert ready.status_code == 200 and ready.json()["rank_cache_redis_up"] is True
+
+
+# ---- rank cache ------------------------------------------------------------------------------------------------
+
+def test_similar_prompt_hits_the_rank_cache(service, stub):
+    from rankserve.proto import rankserve_pb2 as pb
+
+    family = "basis-sharing"
+    prompt = "The little dog ran to the park to find his red ball."
+    hits0 = metric(service, "ray_rankserve_rank_cache_hits_total", family=family)
+    r = post(service, {"model": family, "prompt": prompt, "max_tokens": 4})
+    assert r.status_code == 200 and r.headers["x-rankserve-rank-cache"] == "miss"
+    time.sleep(0.2)  # the write-back runs in the background
+    r = post(service, {"model": family, "prompt": "The little dog ran to the park to find his red ball!",
+                       "max_tokens": 4})
+    assert r.status_code == 200 and r.headers["x-rankserve-rank-cache"] == "hit"
+    rep = stub.Generate(pb.GenerateRequest(model=family, prompt="The small dog ran to the park to find his red ball.",
+                                           max_tokens=4), metadata=GRPC_AUTH, timeout=60)
+    assert rep.rank_cache_hit
+    wait_for(lambda: metric(service, "ray_rankserve_rank_cache_hits_total", family=family) >= hits0 + 2,
+             what="the hits to show in /metrics")
+    assert metric(service, "ray_rankserve_rank_cache_misses_total", family=family) >= 1
+    assert metric(service, "ray_rankserve_rank_cache_lookup_seconds_count", family=family) >= 3
+
+
+# ---- bad input, auth -------------------------------------------------------------------------------------------
+
+BAD = [
+    ({"model": "svd-llm", "prompt": ""}, "prompt"),
+    ({"model": "svd-llm", "prompt": "word " * 2000}, "context limit"),
+    ({"model": "svd-llm", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"model": "svd-llm", "prompt": "hi", "max_tokens": -3}, "max_tokens"),
+    ({"model": "svd-llm", "prompt": "hi", "max_tokens": 100_000}, "limit of 256"),
+    ({"model": "svd-llm", "prompt": "hi", "temperature": -0.5}, "temperature"),
+    ({"model": "svd-llm", "prompt": "hi", "top_p": 0.0}, "top_p"),
+    ({"model": "svd-llm", "prompt": "hi", "top_p": 1.5}, "top_p"),
+    ({"model": "gpt-4", "prompt": "hi"}, "unknown model"),
+]
+
+
+@pytest.mark.parametrize("body, words", BAD, ids=[w for _, w in BAD])
+def test_bad_input_is_400_and_invalid_argument(service, stub, body, words):
+    from rankserve.proto import rankserve_pb2 as pb
+
+    for stream in (False, True):
+        r = post(service, {**body, "stream": stream})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and words in err["message"]
+
+    req = pb.GenerateRequest(**body)
+    for call in (stub.Generate, lambda *a, **k: list(stub.GenerateStream(*a, **k))):
+        with pytest.raises(grpc.RpcError) as e:
+            call(req, metadata=GRPC_AUTH, timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details()
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[]", b'{"model": "svd-llm"}', b'{"model": "svd-llm", "prompt": 7}',
+                                 b'{"model": "svd-llm", "prompt": "hi", "max_tokens": "lots"}',
+                                 b'{"model": "svd-llm", "prompt": "hi", "logprobs": 2}'])
+def test_malformed_body_is_400(service, raw):
+    r = httpx.post(service.http_url + "/v1/completions", content=raw, headers={**AUTH, "content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"]
+
+
+def test_malformed_grpc_message_is_not_a_500(service):
+    with grpc.insecure_channel(service.grpc_target) as ch:
+        call = ch.unary_unary("/rankserve.Generator/Generate", request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as e:
+            call(b"\xff\xff\xff\xff", metadata=GRPC_AUTH, timeout=30)
+    assert e.value.code() != grpc.StatusCode.OK and e.value.code() != grpc.StatusCode.INTERNAL, e.value
+
+
+@pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer wrong"}, {"authorization": KEY}],
+                         ids=["missing", "wrong", "no-scheme"])
+def test_api_key_required(service, stub, headers):
+    from rankserve.proto import rankserve_pb2 as pb
+
+    body = {"model": "svd-llm", "prompt": "hi", "max_tokens": 2}
+    r = post(service, body, headers=headers)
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(service.http_url + "/v1/models", headers=headers, timeout=10).status_code == 401
+    md = tuple(headers.items())
+    for call in (stub.Generate, lambda *a, **k: list(stub.GenerateStream(*a, **k))):
+        with pytest.raises(grpc.RpcError) as e:
+            call(pb.GenerateRequest(**body), metadata=md, timeout=30)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+# ---- cancellation, timeout -----------------------------------------------------------------------------------------
+
+def test_client_going_away_cancels_the_generation(service):
+    cancelled0 = metric(service, "ray_rankserve_worker_requests_total", family="svd-llm", outcome="cancelled")
+    long = "Once upon a time " * 60  # a long prompt and 256 new tokens: far longer than reading two chunks
+    with httpx.stream("POST", service.http_url + "/v1/completions", headers=AUTH, timeout=60,
+                      json={"model": "svd-llm", "prompt": long, "max_tokens": 256, "stream": True}) as r:
+        assert r.status_code == 200
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 2:
+                break  # leaving the block closes the connection
+    wait_for(lambda: metric(service, "ray_rankserve_worker_requests_total", family="svd-llm",
+                            outcome="cancelled") >= cancelled0 + 1, what="the worker to count a cancelled request")
+    t0 = time.time()
+    assert post(service, {"model": "svd-llm", "prompt": "hi", "max_tokens": 4}).status_code == 200
+    assert time.time() - t0 < 10  # the replica is free again
+
+
+def test_request_timeout(service, stub):
+    from rankserve.proto import rankserve_pb2 as pb
+
+    body = {"model": "deadline", "prompt": "Once upon a time " * 60, "max_tokens": 256, "temperature": 0}
+    r = post(service, body)
+    assert r.status_code == 408 and "timeout" in r.json()["error"]["message"]
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(pb.GenerateRequest(**body), metadata=GRPC_AUTH, timeout=60)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _, chunks = sse(service, body)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "timeout"
+
+
+def test_full_queue_is_refused_with_503(service, stub):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rankserve.proto import rankserve_pb2 as pb
+
+    body = {"model": "deadline", "prompt": "Once upon a time " * 60, "max_tokens": 256}
+    with ThreadPoolExecutor(8) as pool:
+        rs = list(pool.map(lambda _: post(service, body), range(8)))
+    statuses = sorted(r.status_code for r in rs)
+    assert set(statuses) <= {408, 503} and 503 in statuses, statuses  # 408: the ones that ran into the deadline
+    for r in rs:
+        assert r.json()["error"]["message"]
+    assert "queue is full" in next(r for r in rs if r.status_code == 503).json()["error"]["message"]
+
+    def call(_):
+        try:
+            stub.Generate(pb.GenerateRequest(**body), metadata=GRPC_AUTH, timeout=60)
+        except grpc.RpcError as e:
+            return e.code()
+
+    with ThreadPoolExecutor(8) as pool:
+        codes = set(pool.map(call, range(8)))
+    assert codes <= {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}, codes
+    assert grpc.StatusCode.UNAVAILABLE in codes
+
+
+# ---- Redis going away (last: it restarts Redis empty) ------------------------------------------------------------
+
+def test_service_answers_with_redis_stopped(service, redis):
+    body = {"model": "svd-llm", "prompt": "A cat sat on the mat and looked at the moon.", "max_tokens": 8}
+    assert post(service, body).status_code == 200
+    redis.stop()
+    try:
+        for i in range(3):  # the first calls notice; all of them answer
+            r = post(service, {**body, "prompt": body["prompt"] + " " * i + str(i)})
+            assert r.status_code == 200, r.text
+        wait_for(lambda: post(service, body).status_code == 200
+                 and metric(service, "ray_rankserve_rank_cache_redis_up") == 0, what="redis_up to drop to 0")
+    finally:
+        redis.start()
+    wait_for(lambda: post(service, body).status_code == 200
+             and metric(service, "ray_rankserve_rank_cache_redis_up") == 1, timeout=60, what="redis_up back to 1")

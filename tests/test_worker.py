@@ -1,0 +1,145 @@
+"""The Worker deployment's request loop, in-process (no Ray cluster): same text as Engine.generate, the stop token
+kept out of the text, prompt-length check with its parameter, cancellation freeing the replica, the request
+timeout, FIFO queueing. The bundled stories260K model, greedy.
+
+Run alone:  .venv/bin/python -m pytest tests/test_worker.py -q
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from rankserve.deployments.worker import Worker, fold, model_version
+from rankserve.workers.engine import Engine
+from rankserve.workers.sampler import SamplingParams
+
+pytestmark = pytest.mark.serve
+MODEL = Path(__file__).resolve().parents[1] / "models" / "stories260K"
+PROMPT = "Once upon a time"
+
+
+def make_worker(**spec) -> Worker:
+    return Worker.func_or_class("dense", {"model_dir": str(MODEL), "torch_threads": 1, **spec})
+
+
+def greedy(n: int) -> dict:
+    return dict(max_new_tokens=n, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=())
+
+
+async def collect(agen, limit: int | None = None) -> list[dict]:
+    out = []
+    async for ev in agen:
+        out.append(ev)
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.load(MODEL)
+
+
+def test_same_text_as_engine_generate(engine):
+    w = make_worker()
+    ref = engine.generate(PROMPT, SamplingParams(**greedy(40)))
+    out = asyncio.run(w.generate(PROMPT, greedy(40), cached=False, subset=None))
+    assert out["text"] == ref.text and out["token_ids"] == ref.token_ids
+    assert out["finish_reason"] == ref.finish_reason and out["prompt_tokens"] == ref.num_prompt_tokens
+    assert out["completion_tokens"] == len(ref.token_ids)
+    assert out["cached"] is False and out["subset"] is None  # no PARSE routers: the static ranks
+
+
+def test_stop_token_is_not_text(engine):
+    """Run until EOS: the text and token ids match Engine.generate, the EOS isn't counted."""
+    w = make_worker(max_tokens=400)
+    ref = engine.generate(PROMPT, SamplingParams(**greedy(400)))
+    events = asyncio.run(collect(w.stream(PROMPT, greedy(400), cached=True, subset=None)))
+    out = fold(events)
+    assert out["text"] == ref.text and out["token_ids"] == ref.token_ids
+    assert out["finish_reason"] == ref.finish_reason
+    if ref.finish_reason == "stop":
+        assert events[-2]["token_id"] in engine.eos and out["completion_tokens"] == len(ref.token_ids)
+
+
+def test_prompt_longer_than_context_is_a_400():
+    w = make_worker()
+    (ev,) = asyncio.run(collect(w.stream("word " * 2000, greedy(8), cached=False, subset=None)))
+    assert ev["event"] == "error" and ev["status"] == 400 and ev["param"] == "prompt"
+    assert "context limit" in ev["message"]
+
+
+def test_max_tokens_above_family_limit_is_a_400():
+    w = make_worker(max_tokens=8)
+    out = asyncio.run(w.generate(PROMPT, greedy(9), cached=False, subset=None))
+    assert out["status"] == 400 and out["param"] == "max_tokens"
+
+
+def test_cancel_frees_the_replica():
+    w = make_worker()
+
+    async def go():
+        agen = w.stream(PROMPT, greedy(200), cached=False, subset=None)
+        first = await collect(agen, limit=3)  # start + 2 tokens, then the client goes away
+        await agen.aclose()
+        assert [e["event"] for e in first] == ["start", "token", "token"]
+        assert not w._lock.locked()  # the next request can run at once
+        return await asyncio.wait_for(w.generate(PROMPT, greedy(4), cached=False, subset=None), timeout=30)
+
+    assert asyncio.run(go())["completion_tokens"] == 4
+
+
+def test_cancel_while_queued():
+    w = make_worker()
+
+    async def go():
+        long = asyncio.create_task(w.generate(PROMPT, greedy(200), cached=False, subset=None))
+        await asyncio.sleep(0.05)
+        queued = asyncio.create_task(w.generate(PROMPT, greedy(4), cached=False, subset=None))
+        await asyncio.sleep(0.01)
+        assert w._waiting == 1
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        assert w._waiting == 0
+        return await long
+
+    assert asyncio.run(go())["completion_tokens"] == 200
+
+
+def test_request_timeout_ends_generation():
+    w = make_worker(request_timeout_s=0.05)
+    out = asyncio.run(w.generate(PROMPT, greedy(256), cached=False, subset=None))
+    assert out["finish_reason"] == "timeout" and out["completion_tokens"] < 256
+    assert not w._lock.locked()
+
+
+def test_fifo_one_generation_at_a_time():
+    w = make_worker()
+
+    async def go():
+        order = []
+
+        async def one(i):
+            out = await w.generate(PROMPT, greedy(10), cached=False, subset=None)
+            order.append(i)
+            return out
+
+        tasks = []
+        for i in range(3):
+            tasks.append(asyncio.create_task(one(i)))
+            await asyncio.sleep(0.001)
+        outs = await asyncio.gather(*tasks)
+        return order, outs
+
+    order, outs = asyncio.run(go())
+    assert order == [0, 1, 2] and len({o["text"] for o in outs}) == 1
+
+
+def test_model_version_is_stable(tmp_path):
+    v = model_version(MODEL)
+    assert v == model_version(MODEL) and ":" not in v and v.startswith("dense-")
+    assert make_worker().info()["model_version"] == v
