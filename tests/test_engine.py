@@ -87,3 +87,17 @@ def test_text_keeps_the_leading_space(engine):
     """SentencePiece drops a word's leading space when it starts the decoded ids: the engine decodes in context."""
     r = engine.generate("Once upon a time, there was a little girl named Lily.", SamplingParams(max_new_tokens=5))
     assert r.text.startswith(" ") and engine.tokenizer.decode(r.token_ids) == r.text.lstrip(" ")
+
+
+def test_fast_path_gives_the_eager_tokens():
+    """The engine's thin decode path (torch backend, no graphs on CPU) generates what the eager loop does."""
+    fast = Engine.load(BUNDLED, fast_path="torch")
+    eager = Engine.load(BUNDLED, fast_path="off")
+    prompts = ["Once upon a time", "The dog ran", "Lily"]
+    params = [SamplingParams(max_new_tokens=n, stop=("park",)) for n in (30, 12, 21)]
+    for a, b in zip(fast.generate_batch(prompts, params), eager.generate_batch(prompts, params)):
+        assert a.token_ids == b.token_ids and a.text == b.text and a.finish_reason == b.finish_reason
+    sp = SamplingParams(max_new_tokens=25, temperature=0.9, top_k=20, seed=3)
+    assert fast.generate("The cat", sp).token_ids == eager.generate("The cat", sp).token_ids
+    assert len(fast._decoders) == 2  # one decoder per (batch size, cache bucket), packed weights shared
+    assert all(d.layers is fast._packed for d in fast._decoders.values())

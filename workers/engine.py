@@ -13,6 +13,7 @@ from typing import Iterator
 import torch
 
 from rankserve.workers.checkpoint import Manifest, load_checkpoint
+from rankserve.workers.fast_decode import DecodeConfig, FastDecoder
 from rankserve.workers.kv_cache import KVCache
 from rankserve.workers.model import Transformer
 from rankserve.workers.sampler import SamplingParams, sample
@@ -77,21 +78,27 @@ class _Row:
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, manifest: Manifest | None = None,
-                 max_batch_size: int = 8, max_seq_len: int | None = None) -> None:
+                 max_batch_size: int = 8, max_seq_len: int | None = None,
+                 fast_path: str = "auto") -> None:  # "auto": Triton + CUDA graphs on CUDA, eager on CPU; "off"; "torch"|"triton"
         self.model, self.tokenizer, self.manifest = model, tokenizer, manifest
         self.cfg = model.cfg
         self.max_batch_size = max_batch_size
         self.max_seq_len = min(max_seq_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
         self.device = model.embed.weight.device
         self.eos = self.cfg.eos_ids or ((tokenizer.eos_id,) if tokenizer.eos_id is not None else ())
+        if fast_path not in ("auto", "off", "torch", "triton"):
+            raise ValueError(f"fast_path must be 'auto', 'off', 'torch' or 'triton', got {fast_path!r}")
+        self.fast_path = fast_path
+        self._decoders: dict[tuple[int, int], FastDecoder] = {}
+        self._packed = None
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
-             max_batch_size: int = 8, max_seq_len: int | None = None) -> "Engine":
+             max_batch_size: int = 8, max_seq_len: int | None = None, fast_path: str = "auto") -> "Engine":
         if dtype is None:
             dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
         model, manifest = load_checkpoint(model_dir, device=device, dtype=dtype)
-        return cls(model, Tokenizer.load(model_dir), manifest, max_batch_size, max_seq_len)
+        return cls(model, Tokenizer.load(model_dir), manifest, max_batch_size, max_seq_len, fast_path)
 
     # --- public API ------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str, params: SamplingParams) -> list[int]:
@@ -117,6 +124,21 @@ class Engine:
             token, delta = step[0]
             yield StreamEvent(token, delta, row.finish)
 
+    def _fast_decoder(self, B: int, S: int) -> FastDecoder | None:
+        """The thin decode path for (B, S), built once per batch size and cache-length bucket; None = eager."""
+        mode = self.fast_path
+        if mode == "auto":
+            mode = "triton" if self.device.type == "cuda" else "off"
+        if mode == "off":
+            return None
+        S = min(max(256, 1 << (S - 1).bit_length()), self.max_seq_len)  # power-of-two buckets: few graphs
+        if (B, S) not in self._decoders:
+            graph = "step" if self.device.type == "cuda" else "none"  # whole-step graph: measured fastest
+            self._decoders[(B, S)] = FastDecoder(self.model, DecodeConfig(batch_size=B, max_seq_len=S, backend=mode,
+                                                                          graph=graph), packed=self._packed)
+            self._packed = self._decoders[(B, S)].layers  # every decoder shares one packed copy of the weights
+        return self._decoders[(B, S)]
+
     def rank_subset(self, prompt: str) -> dict | None:
         """PARSE rank subset chosen for `prompt`; None for a model without PARSE routers."""
         return None
@@ -133,13 +155,19 @@ class Engine:
         budget = max(l + r.params.max_new_tokens for l, r in zip(lens, rows))
         S_max = min(budget, self.max_seq_len)
         cfg = self.cfg
-        cache = KVCache(cfg.num_hidden_layers, B, S_max, cfg.num_key_value_heads, cfg.head_dim,
-                        device=self.device, dtype=self.model.embed.weight.dtype)
         tokens = torch.zeros(B, max(lens), dtype=torch.long)
         for b, r in enumerate(rows):
             tokens[b, :lens[b]] = torch.tensor(r.prompt_ids)
         lengths = torch.tensor(lens, dtype=torch.int32, device=self.device)
-        logits = self.model(tokens.to(self.device), cache, lengths, last_only=True)  # (B, V)
+        # finished rows keep stepping in the fast path, so its cache holds the longest prompt + the largest budget
+        need = max(lens) + max(r.params.max_new_tokens for r in rows)
+        dec = self._fast_decoder(B, need) if need <= self.max_seq_len else None  # else eager: rows stop at the limit
+        if dec is not None:
+            logits = dec.prefill(tokens.to(self.device), lengths)  # (B, V)
+        else:
+            cache = KVCache(cfg.num_hidden_layers, B, S_max, cfg.num_key_value_heads, cfg.head_dim,
+                            device=self.device, dtype=self.model.embed.weight.dtype)
+            logits = self.model(tokens.to(self.device), cache, lengths, last_only=True)  # (B, V)
         pos = list(lens)
         while True:
             step = []
@@ -156,5 +184,8 @@ class Engine:
             if all(r.finish is not None for r in rows):
                 return
             nxt = torch.tensor([[max(t, 0)] for t, _ in step], dtype=torch.long, device=self.device)
+            if dec is not None:  # static shapes: every row steps (a finished row's tokens are ignored)
+                logits = dec.step(nxt[:, 0])
+                continue
             active = torch.tensor([r.finish is None for r in rows], dtype=torch.int32, device=self.device)
             logits = self.model(nxt, cache, active, last_only=True)  # finished rows: length 0, cache untouched

@@ -73,7 +73,7 @@ class FastDecoder:
     Use: `dec.prefill(tokens, lengths)` (eager runtime, fills the cache), then `dec.step(tokens)` per token.
     """
 
-    def __init__(self, model: Transformer, dcfg: DecodeConfig) -> None:
+    def __init__(self, model: Transformer, dcfg: DecodeConfig, packed: list[_Layer] | None = None) -> None:
         self.model, self.dcfg, self.cfg = model, dcfg, model.cfg
         cfg, B = model.cfg, dcfg.batch_size
         dev, dt = model.embed.weight.device, model.embed.weight.dtype
@@ -93,7 +93,7 @@ class FastDecoder:
             from rankserve.kernels import rmsnorm as _rms
             self._k = dict(attn=_attn, gu=_gu, ll=_ll, qkv=_qkv, rms=_rms)
             self.num_splits = dcfg.num_splits or _attn.default_num_splits(dcfg.max_seq_len, B, cfg.num_key_value_heads)
-        self.layers = [_Layer(blk, cfg) for blk in model.layers]
+        self.layers = packed or [_Layer(blk, cfg) for blk in model.layers]  # packed copies may be shared
         self.cache = KVCache(cfg.num_hidden_layers, B, dcfg.max_seq_len, cfg.num_key_value_heads, cfg.head_dim,
                              device=dev, dtype=dt)
         half = cfg.head_dim // 2
