@@ -70,15 +70,18 @@ def evaluate(model_dir: str | Path, data_path: str | Path, reference_dir: str | 
 
 
 def greedy_identity(model: Transformer, reference: Transformer, tokenizer: Tokenizer, prompts: list[str],
-                    n_tokens: int = 32) -> float:
+                    n_tokens: int = 32, prefixes: tuple[int, ...] = ()) -> float | dict[int, float]:
     """Fraction of prompts whose first `n_tokens` greedy tokens from `model` equal the reference's.
 
-    Generation does not stop at EOS: exactly `n_tokens` tokens are compared per prompt.
+    Generation does not stop at EOS: exactly `n_tokens` tokens are compared per prompt. With `prefixes`, the
+    fraction for each prefix length n <= n_tokens from the same generations: {n: fraction}.
     """
     if not prompts:
         raise ValueError("greedy_identity needs at least one prompt")
     ids = [tokenizer.encode(p, bos=True) for p in prompts]
     ours, theirs = _greedy(model, ids, n_tokens), _greedy(reference, ids, n_tokens)
+    if prefixes:
+        return {n: sum(a[:n] == b[:n] for a, b in zip(ours, theirs)) / len(prompts) for n in prefixes}
     return sum(a == b for a, b in zip(ours, theirs)) / len(prompts)
 
 

@@ -52,7 +52,9 @@ def fidelity(model_dir: str | Path, data_path: str | Path, reference_dir: str | 
                          f"than {model_dir} ({model.cfg.vocab_size}): not its reference")
     out.update(compare(model, reference, tok, text, seq_len, stride, max_tokens, progress=progress))
     prompts = read_prompts(prompts_path or DEFAULT_PROMPTS)
-    out["greedy_identity"] = greedy_identity(model, reference, tok, prompts, n_tokens)
+    at = greedy_identity(model, reference, tok, prompts, n_tokens, prefixes=tuple(sorted({min(4, n_tokens), n_tokens})))
+    out["greedy_identity"] = at[n_tokens]
+    out["greedy_identity_at"] = {str(n): v for n, v in at.items()}  # shorter prefixes separate near-misses
     out["greedy_prompts"], out["greedy_tokens"] = len(prompts), n_tokens
     return out
 
@@ -60,11 +62,18 @@ def fidelity(model_dir: str | Path, data_path: str | Path, reference_dir: str | 
 def fidelity_table(rows: list[dict[str, Any]], title: str = "") -> str:
     """Markdown table of `fidelity` results (one row each)."""
     lines = [f"### {title}", ""] if title else []
-    lines += ["| model | method | keep | perplexity | top-1 agreement | KL | greedy identity | tokens |",
+    lines += ["| model | method | keep | perplexity | top-1 agreement | KL | greedy identity (first 4 / 16 tokens) | tokens |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         f = lambda k, fmt: (fmt.format(r[k]) if k in r else "–")  # noqa: E731
         lines.append(f"| {Path(r['model']).name} | {r.get('method', '')} | {r.get('keep', 1.0):.3f} | "
                      f"{f('perplexity', '{:.2f}')} | {f('top1_agreement', '{:.3f}')} | {f('kl', '{:.3f}')} | "
-                     f"{f('greedy_identity', '{:.2f}')} | {r.get('tokens', '')} |")
+                     f"{_greedy_cell(r)} | {r.get('tokens', '')} |")
     return "\n".join(lines) + "\n"
+
+
+def _greedy_cell(r: dict[str, Any]) -> str:
+    at = r.get("greedy_identity_at")
+    if at:
+        return " / ".join(f"{at[k]:.2f}" for k in sorted(at, key=int))
+    return f"{r['greedy_identity']:.2f}" if "greedy_identity" in r else "–"

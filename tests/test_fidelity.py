@@ -19,7 +19,8 @@ def test_model_against_itself_is_perfect():
     assert r["top1_agreement"] == 1.0 and abs(r["kl"]) < 1e-6 and r["greedy_identity"] == 1.0
     assert r["perplexity"] == pytest.approx(r["reference_perplexity"]) and r["tokens"] == 599
     md = fidelity_table([r], title="self")
-    assert "| stories260K | dense | 1.000 |" in md and "1.000 | 0.000 | 1.00 | 599 |" in md
+    assert r["greedy_identity_at"] == {"4": 1.0, "8": 1.0}
+    assert "| stories260K | dense | 1.000 |" in md and "1.000 | 0.000 | 1.00 / 1.00 | 599 |" in md
 
 
 def test_without_reference_only_perplexity():
