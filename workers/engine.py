@@ -16,6 +16,7 @@ from rankserve.workers.checkpoint import Manifest, load_checkpoint
 from rankserve.workers.fast_decode import DecodeConfig, FastDecoder
 from rankserve.workers.kv_cache import KVCache
 from rankserve.workers.model import Transformer
+from rankserve.workers.parse import Routers, apply, clear, load_parse, select, validate
 from rankserve.workers.sampler import SamplingParams, sample
 from rankserve.workers.tokenizer import Tokenizer
 
@@ -79,8 +80,11 @@ class _Row:
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, manifest: Manifest | None = None,
                  max_batch_size: int = 8, max_seq_len: int | None = None,
-                 fast_path: str = "auto") -> None:  # "auto": Triton + CUDA graphs on CUDA, eager on CPU; "off"; "torch"|"triton"
+                 fast_path: str = "auto",  # "auto": Triton + CUDA graphs on CUDA, eager on CPU; "off"; "torch"|"triton"
+                 routers: Routers | None = None,  # PARSE routers (`workers.parse.load_parse`); None = static ranks
+                 reroute_every: int = 0) -> None:  # PARSE: re-run the routers every N generated tokens; 0 = never
         self.model, self.tokenizer, self.manifest = model, tokenizer, manifest
+        self.routers, self.reroute_every = routers, reroute_every
         self.cfg = model.cfg
         self.max_batch_size = max_batch_size
         self.max_seq_len = min(max_seq_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
@@ -94,11 +98,13 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
-             max_batch_size: int = 8, max_seq_len: int | None = None, fast_path: str = "auto") -> "Engine":
+             max_batch_size: int = 8, max_seq_len: int | None = None, fast_path: str = "auto",
+             reroute_every: int = 0) -> "Engine":
         if dtype is None:
             dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
         model, manifest = load_checkpoint(model_dir, device=device, dtype=dtype)
-        return cls(model, Tokenizer.load(model_dir), manifest, max_batch_size, max_seq_len, fast_path)
+        return cls(model, Tokenizer.load(model_dir), manifest, max_batch_size, max_seq_len, fast_path,
+                   routers=load_parse(model_dir, model), reroute_every=reroute_every)
 
     # --- public API ------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str, params: SamplingParams) -> list[int]:
@@ -140,16 +146,33 @@ class Engine:
         return self._decoders[(B, S)]
 
     def rank_subset(self, prompt: str) -> dict | None:
-        """PARSE rank subset chosen for `prompt`; None for a model without PARSE routers."""
-        return None
+        """PARSE rank subset the routers choose for `prompt` (one extra prefill); None without PARSE routers."""
+        if self.routers is None:
+            return None
+        ids = self.tokenizer.encode(prompt, bos=True)
+        if len(ids) + 1 > self.max_seq_len:
+            raise ValueError(f"prompt is {len(ids)} tokens; the context limit is {self.max_seq_len} tokens")
+        return select(self.model, self.routers, ids)
 
     # --- the loop --------------------------------------------------------------------------------
     @torch.inference_mode()
     def _decode(self, rows: list[_Row], subset: dict | None) -> Iterator[list[tuple[int, str]]]:
-        if subset is not None:
+        if subset is not None and self.routers is None:
             raise ValueError("this model has no PARSE rank experts; it cannot take a rank subset")
         if len(rows) > self.max_batch_size:
             raise ValueError(f"batch of {len(rows)} exceeds max_batch_size {self.max_batch_size}")
+        if self.routers is None:
+            yield from self._steps(rows)
+            return
+        # PARSE: `subset` (None: each row's own routed subset) masks the prefill and every decode step (rank reuse)
+        apply(self.model, [validate(subset, self.routers)] * len(rows) if subset is not None else
+              [select(self.model, self.routers, r.prompt_ids) for r in rows])
+        try:
+            yield from self._steps(rows)
+        finally:
+            clear(self.model)
+
+    def _steps(self, rows: list[_Row]) -> Iterator[list[tuple[int, str]]]:
         B = len(rows)
         lens = [len(r.prompt_ids) for r in rows]
         budget = max(l + r.params.max_new_tokens for l, r in zip(lens, rows))
@@ -161,7 +184,8 @@ class Engine:
         lengths = torch.tensor(lens, dtype=torch.int32, device=self.device)
         # finished rows keep stepping in the fast path, so its cache holds the longest prompt + the largest budget
         need = max(lens) + max(r.params.max_new_tokens for r in rows)
-        dec = self._fast_decoder(B, need) if need <= self.max_seq_len else None  # else eager: rows stop at the limit
+        # eager when a row may reach the context limit, and for PARSE (the fast path does not read the masks)
+        dec = self._fast_decoder(B, need) if need <= self.max_seq_len and self.routers is None else None
         if dec is not None:
             logits = dec.prefill(tokens.to(self.device), lengths)  # (B, V)
         else:
@@ -169,6 +193,7 @@ class Engine:
                             device=self.device, dtype=self.model.embed.weight.dtype)
             logits = self.model(tokens.to(self.device), cache, lengths, last_only=True)  # (B, V)
         pos = list(lens)
+        n_steps = 0  # tokens generated per row so far (PARSE re-routing)
         while True:
             step = []
             for b, r in enumerate(rows):
@@ -187,5 +212,8 @@ class Engine:
             if dec is not None:  # static shapes: every row steps (a finished row's tokens are ignored)
                 logits = dec.step(nxt[:, 0])
                 continue
+            n_steps += 1
+            if self.reroute_every and self.routers is not None and n_steps % self.reroute_every == 0:
+                apply(self.model, [select(self.model, self.routers, r.prompt_ids + r.ids) for r in rows])
             active = torch.tensor([r.finish is None for r in rows], dtype=torch.int32, device=self.device)
             logits = self.model(nxt, cache, active, last_only=True)  # finished rows: length 0, cache untouched

@@ -1,0 +1,750 @@
+"""PARSE offline: rank experts, router training, expert memory aggregation, the PARSE checkpoint.
+
+    build_parse_checkpoint("models/reference", "out/reference-parse-0.6", keep=0.6,
+                           calib_text="../shared/data/wikitext-2-pytorch-examples/valid.txt",
+                           train_text="../shared/data/wikitext-2-pytorch-examples/valid.txt", steps=100, kd_steps=300)
+
+Pipeline (seed-algorithms §1.5); the runtime half (select, masks, rank reuse) is `workers/parse.py`.
+  1. pool       the base compressor at r_max = min(ceil(pool_factor·K), min(out, in)) components per matrix,
+                K = the base's own static rank at `keep`. Component i of a matrix, U[:, i] V[i, :], is an expert;
+                the mask "first K components" is exactly the static truncation (same calibration, same factors).
+  2. collect    run the r_max model (every component on, as `workers.parse.select` does at serving time) over
+                windows of a training corpus; per window and matrix keep the router input x̄ and the sufficient
+                statistics of the layer-local reconstruction loss against the dense W (below).
+  3. train      one linear router per matrix, s = R x̄ + b → hard top-K mask, straight-through (STE):
+                a closed-form ridge warm start, `steps` layer-local STE steps (`train_routers`), then `kd_steps`
+                end-to-end STE steps against the dense model's logits (`distill_routers`); the iterate with the
+                lowest held-out loss is kept. Every stage is resumable from `work_dir`.
+  4. aggregate  permute the components of each matrix by selection frequency, U columns, V rows and router rows
+                together (the product is unchanged); the always-selected ones form a contiguous head.
+  5. write      a native checkpoint at r_max, routers as method tensors `methods.parse.{proj}.R` [r_max, in],
+                `.b` [r_max] and `.perm` [r_max] (stored index → the base's index), and
+                manifest.methods["parse"] = {k, r_max, head, choices, training, ...}.
+
+The layer-local loss, from statistics. For one window and matrix with z_t = V x_t (r,), y_t = W x_t, G = UᵀU:
+    Σ_t ‖U(m⊙z_t) − y_t‖² = Σ_ij G_ij m_i m_j Z_ij − 2 Σ_i m_i c_i + Y,
+    Z = Σ_t z_t z_tᵀ, c = Σ_t z_t ⊙ (Uᵀ y_t), Y = Σ_t ‖y_t‖².
+We train on its multilinear extension (m_i² → m_i; equal on 0/1 masks):
+    L(m) = Σ_i a_i m_i + Σ_{i≠j} G_ij Z_ij m_i m_j + Y,   a_i = G_ii Z_ii − 2 c_i,
+whose gradient ∂L/∂m_i is the exact change of the loss when component i alone is toggled, so the
+straight-through gradient is meaningful for selected and unselected components alike (the quadratic form's
+gradient vanishes on every selected component of an orthogonal U). svd-llm's U = u√Σ has orthogonal columns:
+the cross term is zero and a = −(energy of each component), exactly. Basis Sharing members do not: the cross
+term is estimated from `sample_tokens` tokens per window (unbiased, rescaled by window/sample_tokens).
+
+What we measured on the reference model (bench/results/parse.md): the layer-local objective has little
+headroom over static truncation (even the per-window oracle lowers the mean relative error by ~4 % and
+perplexity by ~1 %), and the STE on it alone overfit; the end-to-end KD stage is what moves perplexity, and
+it transfers across domains poorly, so the router-training corpus matters (see the bench notes).
+
+Choices (seed-algorithms §1.4 open questions; the same text is stored in manifest.methods["parse"]["choices"]):
+see CHOICES below.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from rankserve.compress.calibrate import calibrate
+from rankserve.compress.factorize import _fill_projections, _plan
+from rankserve.workers.checkpoint import CheckpointError, Manifest, count_params, load_checkpoint, save_checkpoint
+from rankserve.workers.model import Transformer
+from rankserve.workers.parse import router_input
+from rankserve.workers.tokenizer import Tokenizer
+
+BASES = ("svd-llm", "basis-sharing")
+ORTHOGONAL_TOL = 1e-2  # column cosines of U below this count as orthogonal (bf16 storage leaves ~1e-3): no cross term
+
+CHOICES = {
+    "experts": "component i of a matrix, U[:, i] V[i, :] (σ folded into both factors as √σ); the pool is the base "
+               "compressor's own factorization at rank r_max, so mask = first K is the static baseline exactly",
+    "k": "K per matrix = the base's static rank at the same keep (svd-llm: floor(keep·out·in/(out+in)); "
+         "basis-sharing: the shared rank of the group), so per-token compute matches the static baseline",
+    "r_max": "min(ceil(pool_factor·K), min(out, in)); resident memory is r_max components per matrix",
+    "router_granularity": "one linear router per weight matrix (layer × q,k,v,o,gate,up,down); q/k/v (and "
+                          "gate/up) read the same pooled input but keep separate routers",
+    "router_input": "the matrix's own input activation, mean-pooled over the prompt tokens (BOS included), taken "
+                    "from one forward of the r_max model with every component on (the routers do not see "
+                    "each other's choices); input standardization folded into R and b",
+    "router": "s = R x̄ + b, R [r_max, in], b [r_max]; plain linear at serving time (input standardization "
+              "folded in)",
+    "selection": "hard top-K of s per (request, matrix); K fixed per matrix, every request uses exactly K",
+    "ste": "forward: the hard top-K mask; backward: d/ds of sigmoid((ŝ − τ)/T) with ŝ = s standardized per window "
+           "and τ the midpoint between the K-th and (K+1)-th score (top-K is shift- and scale-invariant, so is "
+           "the surrogate)",
+    "loss": "stage 1-2, layer-local: ‖U(m⊙Vx) − Wx‖² / ‖Wx‖² against the dense W on the same input x, over all "
+            "tokens of a training window (prompt and continuation: the subset is reused for decode), multilinear "
+            "in m (module docstring), mean over windows and matrices; stage 3, end-to-end logit KD: "
+            "KL(dense ‖ PARSE) of the next-token distributions over every window token, all routers at once",
+    "training": "warm start: per matrix, ridge regression of each component's relative gain −a/Y on the "
+                "standardized x̄ (ridge strength picked from a grid by held-out loss); then layer-local STE; "
+                "then end-to-end STE (KD). Stages 1-2 keep, per matrix, the best of {static first-K, warm "
+                "start, STE iterates} on held-out windows; stage 3 keeps its best iterate (start included) by "
+                "held-out KL. AdamW, weight decay on R only, linear warmup then constant lr",
+    "training_windows": "windows of `window` tokens (BOS first) from a corpus other than the evaluation text; the "
+                        "router input pools the first `prompt_len` tokens, the loss covers the whole window",
+    "groups": "basis-sharing: the group's shared components are experts of every member; one router per member "
+              "matrix selects K of the group's r_max shared components, masks are per member (each member "
+              "applies its own mask to the shared V x before its private U); aggregation permutes a group "
+              "once (by the members' summed frequency): shared V rows, every member's U columns and routers",
+    "aggregation": "components sorted by selection frequency over the training windows, descending (stable); "
+                   "head = the leading components selected in at least head_freq of the windows",
+    "retrieval_embedding": "all-MiniLM-L6-v2 of the prompt text (rank_cache.Embedder), cosine, nearest entry "
+                           "above the cache threshold; the cache lives in the serving layer (rank_cache/)",
+    "reuse": "the subset chosen at prefill is frozen for every decode step; optional re-routing every N tokens "
+             "(Engine(reroute_every=N)), off by default",
+}
+
+
+# --- plan and pool -------------------------------------------------------------------------------
+def plan_experts(cfg, base: str, keep: float, pool_factor: float = 2.0,  # r_max / K
+                 group_size: int = 2) -> tuple[dict[str, int], dict[str, int], dict[str, list[str]]]:
+    """(K, r_max, groups) per factorized projection of a model with config `cfg`; dense ones are left out."""
+    if base not in BASES:
+        raise ValueError(f"unknown PARSE base {base!r}; choose one of {', '.join(BASES)}")
+    if pool_factor < 1:
+        raise ValueError(f"pool_factor must be at least 1 (r_max >= K), got {pool_factor}")
+    ranks, groups = _plan(cfg, base, keep, group_size)
+    shapes = cfg.linear_shapes()
+    k = {n: r for n, r in ranks.items() if r is not None}
+    r_max = {n: min(math.ceil(pool_factor * r), *shapes[n.rsplit(".", 1)[1]]) for n, r in k.items()}
+    if not k:
+        raise ValueError(f"keep={keep} leaves every projection dense: nothing to route")
+    return k, r_max, groups
+
+
+def build_pool(dense_dir: str | Path, base: str, keep: float, calib_text: str | Path, pool_factor: float = 2.0,
+               calib_tokens: int = 131072, calib_seq_len: int | None = None, group_size: int = 2,
+               progress: bool = True) -> tuple[Transformer, dict[str, int], dict[str, int]]:
+    """The base compressor's factors at r_max (fp32 Transformer), K and r_max per projection.
+
+    Calibration and factorization are `compress_model`'s own (same defaults), so the first K components of
+    each matrix are the static checkpoint's factors.
+    """
+    src, _ = load_checkpoint(dense_dir, "cpu", torch.float32)
+    cfg = src.cfg
+    k, r_max, groups = plan_experts(cfg, base, keep, pool_factor, group_size)
+    ranks = {n: r_max.get(n) for n in src.projections()}
+    dense = {name: lin.dense_weight().detach() for name, lin in src.projections().items()}
+    stats = calibrate(src, Tokenizer.load(dense_dir), calib_text, max_tokens=calib_tokens, seq_len=calib_seq_len,
+                      progress=progress)
+    model = Transformer(cfg, ranks, groups)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, t in src.state_dict().items():  # embeddings, norms, head
+            if name.startswith(("embed.", "norm.", "lm_head.")) or name.endswith("_norm.weight"):
+                params[name].copy_(t)
+        _fill_projections(model, dense, stats, base, ranks, groups, progress)
+    model.eval()
+    return model, k, r_max
+
+
+# --- training data -------------------------------------------------------------------------------
+@dataclass
+class TrainConfig:
+    """Router training knobs (steps are an argument of `train_routers`)."""
+
+    windows: int = 2048  # training windows drawn from the corpus (the last `holdout` of them validate)
+    window: int = 128  # tokens per window, BOS first; the loss covers all of them
+    prompt_len: int = 64  # the router input pools the first prompt_len tokens (a prompt)
+    sample_tokens: int = 8  # tokens per window kept to estimate the cross term of non-orthogonal U (basis-sharing)
+    holdout: float = 0.1  # fraction of windows kept out of training, for the reported losses
+    batch_size: int = 64  # windows per step
+    ridge: tuple[float, ...] = (0.03, 0.1, 0.3, 1.0, 3.0)  # warm-start ridge strengths (× windows) tried per matrix
+    lr: float = 1e-3  # scores are scaled to unit std at the warm start, so this is relative
+    weight_decay: float = 0.01  # on R only
+    warmup: int = 20  # steps of linear lr warmup
+    temperature: float = 1.0  # T of the STE surrogate sigmoid((s − τ)/T), s standardized per window
+    collect_batch: int = 16  # windows per forward while collecting
+    seed: int = 0
+    eval_every: int = 25  # steps between held-out evaluations (the best iterate is kept)
+    kd_batch: int = 8  # windows per end-to-end (KD) step
+    kd_lr: float = 1e-4
+    kd_eval: int = 64  # held-out windows scored for the end-to-end stage's early stopping
+    save_every: int = 50  # steps between resumable train-state writes
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.prompt_len <= self.window:
+            raise ValueError(f"prompt_len must be in [1, window={self.window}], got {self.prompt_len}")
+        if not 0 <= self.holdout < 1:
+            raise ValueError(f"holdout must be in [0, 1), got {self.holdout}")
+        if self.windows < 2 or self.batch_size < 1 or self.sample_tokens < 1:
+            raise ValueError("windows must be >= 2, batch_size and sample_tokens >= 1")
+
+
+@dataclass
+class RouterData:
+    """Per matrix and training window: the router input and the loss statistics (module docstring).
+
+    x  {input source: (P, in)}  pooled input; q/k/v read `layers.i.attn.q`'s, gate/up `layers.i.mlp.gate`'s
+    a  {proj: (P, r_max)}       linear coefficient G_ii Z_ii − 2 c_i
+    Y  {proj: (P,)}             Σ_t ‖W x_t‖²
+    zs {proj: (P, T_s, r_max)}  sampled z_t, only where U's columns are not orthogonal (then G_off is set too)
+    G_off {proj: (r_max, r_max)} UᵀU with a zero diagonal
+    windows (P, L)              the windows' tokens (the end-to-end stage runs them again)
+    """
+
+    windows: torch.Tensor
+    x: dict[str, torch.Tensor]
+    a: dict[str, torch.Tensor]
+    Y: dict[str, torch.Tensor]
+    zs: dict[str, torch.Tensor]
+    G_off: dict[str, torch.Tensor]
+    scale: float  # window / sample_tokens: rescales the sampled cross term to the whole window
+
+    @property
+    def n(self) -> int:
+        return next(iter(self.Y.values())).shape[0]
+
+    def loss(self, proj: str, idx: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """Relative reconstruction error (B,) of masks m (B, r_max) on windows idx (B,)."""
+        L = (self.a[proj][idx] * m).sum(-1) + self.Y[proj][idx]
+        if proj in self.zs:
+            q = m[:, None, :] * self.zs[proj][idx]  # (B, T_s, r)
+            L = L + self.scale * ((q @ self.G_off[proj]) * q).sum((-1, -2))
+        return L / self.Y[proj][idx].clamp_min(1e-30)
+
+    def save(self, path: Path) -> None:
+        t = {f"x.{n}": v for n, v in self.x.items()} | {f"a.{n}": v for n, v in self.a.items()}
+        t |= {f"Y.{n}": v for n, v in self.Y.items()} | {f"zs.{n}": v for n, v in self.zs.items()}
+        t |= {f"G_off.{n}": v for n, v in self.G_off.items()} | {"windows.all": self.windows}
+        tmp = path.with_suffix(".tmp")  # renamed into place when complete: a resumed run never reads half a file
+        save_file({k: v.contiguous() for k, v in t.items()}, str(tmp), metadata={"scale": repr(self.scale)})
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> "RouterData":
+        parts: dict[str, dict[str, torch.Tensor]] = {k: {} for k in ("x", "a", "Y", "zs", "G_off", "windows")}
+        with safe_open(str(path), framework="pt") as f:
+            scale = float(f.metadata()["scale"])
+            for key in f.keys():
+                kind, name = key.split(".", 1)
+                parts[kind][name] = f.get_tensor(key)
+        windows = parts.pop("windows")["all"]
+        return cls(windows=windows, scale=scale, **parts)
+
+
+def sample_windows(text_path: str | Path | list[str | Path], tokenizer: Tokenizer, n: int, window: int,
+                   seed: int = 0,
+                   reverse: bool = False,  # walk the seeded document order from its end: disjoint from a forward draw
+                   ) -> torch.Tensor:
+    """(n, window) token windows, BOS first, from a text file or a JSONL corpus ({"text": ...} per line), or an
+    even share from each of several such files.
+
+    Documents are visited in a seeded random order; each gives at most a few windows at random offsets, so
+    the windows spread over the corpus. A plain text file is cut into 64 KiB pseudo-documents.
+    """
+    if isinstance(text_path, (list, tuple)):
+        shares = [n // len(text_path) + (i < n % len(text_path)) for i in range(len(text_path))]
+        w = torch.cat([sample_windows(p, tokenizer, m, window, seed, reverse) for p, m in zip(text_path, shares)])
+        return w[torch.randperm(n, generator=torch.Generator().manual_seed(seed))]
+    path = Path(text_path)
+    if not path.is_file():
+        raise ValueError(f"training text {path} does not exist or is not a file")
+    raw = path.read_text(encoding="utf-8", errors="replace")
+    if path.suffix == ".jsonl":
+        docs = [json.loads(l)["text"] for l in raw.splitlines() if l.strip()]
+    else:
+        docs = [raw[i:i + 65536] for i in range(0, len(raw), 65536)]
+    rng = random.Random(seed)
+    rng.shuffle(docs)
+    docs = docs[::-1] if reverse else docs
+    per_doc = max(1, math.ceil(4 * n / len(docs)))  # enough windows even from a corpus of few documents
+    out: list[list[int]] = []
+    body = window - 1  # the BOS takes one place
+    for doc in docs:
+        ids = tokenizer.encode(doc, bos=False)
+        if len(ids) < body:
+            continue
+        starts = list(range(0, len(ids) - body + 1, body))
+        for s in rng.sample(starts, min(per_doc, len(starts))):
+            out.append([tokenizer.bos_id] + ids[s:s + body])
+        if len(out) >= n:
+            break
+    if len(out) < n:
+        raise ValueError(f"{path} gives only {len(out)} windows of {window} tokens; {n} were asked for — pass "
+                         "a longer text or fewer windows")
+    rng.shuffle(out)
+    return torch.tensor(out[:n])
+
+
+def collect(model: Transformer, dense: dict[str, torch.Tensor], windows: torch.Tensor, prompt_len: int,
+            sample_tokens: int = 8, batch_size: int = 16, seed: int = 0, progress: bool = True) -> RouterData:
+    """Router inputs and loss statistics of `model` (every component on) over `windows` (P, L).
+
+    dense {proj: W [out, in]} are the dense model's weights: the targets are W x on the same inputs x.
+    """
+    lins = {n: l for n, l in model.projections().items() if l.factorized}
+    P, L = windows.shape
+    T_s = min(sample_tokens, L)
+    gen = torch.Generator().manual_seed(seed)
+    sample = torch.stack([torch.randperm(L, generator=gen)[:T_s] for _ in range(P)])  # (P, T_s) token positions
+    x = {router_input(n): torch.empty(P, lins[router_input(n)].in_features) for n in lins}
+    a = {n: torch.empty(P, l.rank) for n, l in lins.items()}
+    Y = {n: torch.empty(P) for n in lins}
+    zs, G_off, UtW = {}, {}, {}
+    for n, l in lins.items():
+        U = l.U.detach().float()
+        G = U.T @ U  # (r, r)
+        off = G - torch.diag(G.diagonal())
+        norm = G.diagonal().clamp_min(1e-30).sqrt()
+        if (off / norm[:, None] / norm[None, :]).abs().max() > ORTHOGONAL_TOL:
+            G_off[n], zs[n] = off, torch.empty(P, T_s, l.rank)
+        UtW[n] = U.T @ dense[n].float()  # (r, in): Uᵀ y = (UᵀW) x
+    rows = slice(0, 0)
+
+    def hook(name: str):
+        def fn(module, inputs):
+            xt = inputs[0].float()  # (B, L, in)
+            if name in x:
+                x[name][rows] = xt[:, :prompt_len].mean(1)
+            z = xt @ module.V.float().T  # (B, L, r)
+            y = xt @ dense[name].float().T  # (B, L, out)
+            G_ii = (module.U.float() ** 2).sum(0)  # (r,)
+            a[name][rows] = G_ii * (z * z).sum(1) - 2 * (z * (xt @ UtW[name].T)).sum(1)
+            Y[name][rows] = (y * y).sum((1, 2))
+            if name in zs:
+                zs[name][rows] = torch.gather(z, 1, sample[rows, :, None].expand(-1, -1, z.shape[-1]))
+        return fn
+
+    for l in lins.values():
+        l.mask = None  # every component on, as at serving time before the routers run
+    handles = [l.register_forward_pre_hook(hook(n)) for n, l in lins.items()]
+    try:
+        with torch.inference_mode():
+            for lo in tqdm(range(0, P, batch_size), desc="collect router data", unit="batch", disable=not progress):
+                rows = slice(lo, min(lo + batch_size, P))
+                model(windows[rows])
+    finally:
+        for h in handles:
+            h.remove()
+    return RouterData(windows=windows, x=x, a=a, Y=Y, zs=zs, G_off=G_off, scale=L / T_s)
+
+
+# --- routers -------------------------------------------------------------------------------------
+def ste_topk(s: torch.Tensor, k: int, temperature: float = 1.0) -> torch.Tensor:
+    """Straight-through top-K mask of scores s (B, r): forward the hard 0/1 mask of the K highest scores,
+    backward the gradient of sigmoid((ŝ − τ)/T), ŝ = s standardized per row, τ = midway between the K-th and
+    (K+1)-th highest ŝ."""
+    s = (s - s.mean(-1, keepdim=True)) / s.std(-1, keepdim=True).clamp_min(1e-6)
+    top = s.topk(min(k + 1, s.shape[-1]), dim=-1)
+    hard = torch.zeros_like(s).scatter_(-1, top.indices[:, :k], 1.0)
+    tau = top.values[:, k - 1:].mean(-1, keepdim=True).detach()  # (B, 1); = the K-th score when K = r
+    soft = torch.sigmoid((s - tau) / temperature)
+    return hard + (soft - soft.detach())  # exactly the hard mask forward (x − x = 0)
+
+
+def train_routers(data: RouterData, k: dict[str, int], steps: int, cfg: TrainConfig | None = None,
+                  state_path: str | Path | None = None,  # resumable train state (safetensors); None = not saved
+                  progress: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    """Train one linear router per matrix on `data`; returns (R {proj: [r_max, in]}, b {proj: [r_max]}, report).
+
+    1. warm start, closed form: ridge regression of each component's relative gain −a_i/Y (its loss decrease
+       when kept alone; exact for orthogonal U) on the standardized x̄, ridge strength picked per matrix from
+       `cfg.ridge` by held-out loss;
+    2. `steps` AdamW steps on the STE loss (`ste_topk`, the module docstring's multilinear loss) from there;
+    3. per matrix, the router kept is the one with the lowest held-out loss among: the static first-K order,
+       the warm start, and the STE iterates evaluated every `cfg.eval_every` steps (so no matrix does worse
+       than static on the held-out windows).
+    The input standardization is folded into the returned R and b (s = R x̄ + b on the raw pooled input).
+    `report["heldout_rel_error"]` has the mean relative reconstruction error over matrices on the held-out
+    windows for static, warm start, the kept routers, and the oracle (top-K by each window's own statistics,
+    an upper bound no prompt-pooled router reaches). If `state_path` exists the run resumes from it
+    (routers, AdamW moments, best-so-far, step); it is rewritten every `cfg.save_every` steps.
+    """
+    cfg = cfg or TrainConfig()
+    P = data.n
+    n_val = int(round(P * cfg.holdout))
+    train_idx, val_idx = torch.arange(P - n_val), torch.arange(P - n_val, P)
+    val = val_idx if n_val else train_idx  # without a hold-out, selection falls back to the training windows
+    projs = list(k)
+    mu = {n: v[train_idx].mean(0) for n, v in data.x.items()}  # input standardization
+    sd = {n: v[train_idx].std(0).clamp_min(1e-6) for n, v in data.x.items()} if len(train_idx) > 1 else \
+        {n: torch.ones_like(v[0]) for n, v in data.x.items()}
+    xn = {n: (v - mu[n]) / sd[n] for n, v in data.x.items()}  # (P, in) standardized router inputs
+
+    def heldout(n: str, R: torch.Tensor, b: torch.Tensor) -> float:
+        return data.loss(n, val, _hard(xn[router_input(n)][val] @ R.T + b, k[n])).mean().item()
+
+    params = torch.nn.ParameterDict()
+    best: dict[str, tuple[torch.Tensor, torch.Tensor, float, str]] = {}  # proj -> (R, b, held-out loss, origin)
+    static_loss, warm_loss = {}, {}
+    for n in tqdm(projs, desc="ridge warm start", unit="matrix", disable=not progress):
+        r, d = data.a[n].shape[1], xn[router_input(n)].shape[1]
+        ramp = torch.linspace(1.0, -1.0, r)  # R = 0 with a descending bias: the static first K
+        R0, b0 = _ridge(xn[router_input(n)], data.a[n], data.Y[n], train_idx, cfg.ridge,
+                        lambda R, b: heldout(n, R, b))
+        static_loss[n], warm_loss[n] = heldout(n, torch.zeros(r, d), ramp), heldout(n, R0, b0)
+        best[n] = (R0, b0, warm_loss[n], "warm") if warm_loss[n] < static_loss[n] else \
+            (torch.zeros(r, d), ramp, static_loss[n], "static")
+        params[_key(n) + "_R"] = torch.nn.Parameter(R0.clone())
+        params[_key(n) + "_b"] = torch.nn.Parameter(b0.clone())
+    decay = [p for name, p in params.items() if name.endswith("_R")]
+    rest = [p for name, p in params.items() if name.endswith("_b")]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=cfg.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg.warmup, 1)))
+    start = 0
+    if state_path is not None and Path(state_path).is_file():
+        start = _load_state(Path(state_path), params, opt, sched, best)
+
+    bar = tqdm(range(start, steps), desc="train routers (STE)", unit="step", disable=not progress, initial=start,
+               total=steps)
+    for step in bar:
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # batches independent of resumption
+        idx = train_idx[torch.randint(len(train_idx), (min(cfg.batch_size, len(train_idx)),), generator=g)]
+        loss = torch.stack([
+            data.loss(n, idx, ste_topk(xn[router_input(n)][idx] @ params[_key(n) + "_R"].T + params[_key(n) + "_b"],
+                                       k[n], cfg.temperature)).mean() for n in projs]).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        bar.set_postfix(loss=f"{loss.item():.4f}")
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == steps:
+            with torch.no_grad():
+                for n in projs:
+                    Rn, bn = params[_key(n) + "_R"].detach(), params[_key(n) + "_b"].detach()
+                    h = heldout(n, Rn, bn)
+                    if h < best[n][2]:
+                        best[n] = (Rn.clone(), bn.clone(), h, "ste")
+        if state_path is not None and ((step + 1) % cfg.save_every == 0 or step + 1 == steps):
+            _save_state(Path(state_path), params, opt, best, step + 1)
+    bar.close()
+
+    R, b = {}, {}
+    with torch.no_grad():
+        for n in projs:
+            src = router_input(n)
+            Rn = best[n][0] / sd[src]  # fold (x − μ)/σ into the router
+            R[n], b[n] = Rn.clone(), best[n][1] - Rn @ mu[src]
+        mean = lambda d: round(sum(d.values()) / len(d), 6)  # noqa: E731
+        oracle = {n: data.loss(n, val, _hard(-data.a[n][val], k[n])).mean().item() for n in projs}
+        origins = [best[n][3] for n in projs]
+        report = {"windows_train": len(train_idx), "windows_heldout": n_val, "steps": steps,
+                  "heldout_rel_error": {"static": mean(static_loss), "warm_start": mean(warm_loss),
+                                        "router": mean({n: best[n][2] for n in projs}), "oracle": mean(oracle)},
+                  "kept": {o: origins.count(o) for o in ("static", "warm", "ste")}}
+    return R, b, report
+
+
+def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k: dict[str, int],
+                    R: dict[str, torch.Tensor], b: dict[str, torch.Tensor], steps: int, cfg: TrainConfig | None = None,
+                    state_path: str | Path | None = None, progress: bool = True,
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    """End-to-end stage: all routers together, STE masks on the r_max `model`, loss = KL(dense ‖ PARSE) of the
+    next-token distributions over every token of a window (the logit-KD term; the routers see the windows'
+    pooled prompt inputs from `data`, as at serving time). Starts from (R, b) (raw-input form, as
+    `train_routers` returns them); keeps the iterate with the lowest KL on `cfg.kd_eval` held-out windows,
+    the start included. Resumable through `state_path` like `train_routers`. Returns (R, b, report).
+    """
+    cfg = cfg or TrainConfig()
+    P = data.n
+    n_val = int(round(P * cfg.holdout))
+    train_idx = torch.arange(P - n_val)
+    val_idx = torch.arange(P - n_val, P)[:cfg.kd_eval] if n_val else train_idx[:cfg.kd_eval]
+    lins = model.projections()
+    projs = list(k)
+    mu = {n: v[train_idx].mean(0) for n, v in data.x.items()}
+    sd = {n: v[train_idx].std(0).clamp_min(1e-6) if len(train_idx) > 1 else torch.ones_like(v[0])
+          for n, v in data.x.items()}
+    xn = {n: (v - mu[n]) / sd[n] for n, v in data.x.items()}
+    params = torch.nn.ParameterDict()
+    for n in projs:  # back to the standardized-input form: s = R x̄ + b = (R σ) x̂ + (b + R μ)
+        src = router_input(n)
+        params[_key(n) + "_R"] = torch.nn.Parameter(R[n] * sd[src])
+        params[_key(n) + "_b"] = torch.nn.Parameter(b[n] + R[n] @ mu[src])
+    model.requires_grad_(False)
+    dense.requires_grad_(False)
+
+    def masks(idx: torch.Tensor, hard: bool) -> None:
+        for n in projs:
+            s = xn[router_input(n)][idx] @ params[_key(n) + "_R"].T + params[_key(n) + "_b"]  # (B, r)
+            lins[n].mask = _hard(s, k[n]) if hard else ste_topk(s, k[n], cfg.temperature)
+
+    def kl(idx: torch.Tensor) -> torch.Tensor:
+        x = data.windows[idx]  # (B, L)
+        with torch.no_grad():
+            ref = torch.log_softmax(dense(x), -1)  # (B, L, V)
+        lp = torch.log_softmax(model(x), -1)
+        return (ref.exp() * (ref - lp)).sum(-1).mean()
+
+    def heldout() -> float:
+        tot = 0.0
+        with torch.no_grad():
+            for i in range(0, len(val_idx), cfg.kd_batch):
+                idx = val_idx[i:i + cfg.kd_batch]
+                masks(idx, hard=True)
+                tot += kl(idx).item() * len(idx)
+        return tot / len(val_idx)
+
+    opt = torch.optim.AdamW([{"params": [p for nm, p in params.items() if nm.endswith("_R")],
+                              "weight_decay": cfg.weight_decay},
+                             {"params": [p for nm, p in params.items() if nm.endswith("_b")], "weight_decay": 0.0}],
+                            lr=cfg.kd_lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg.warmup, 1)))
+    best: dict[str, tuple[torch.Tensor, torch.Tensor, float, str]] = {}
+    try:
+        start = 0
+        if state_path is not None and Path(state_path).is_file():
+            start = _load_state(Path(state_path), params, opt, sched, best)
+        else:
+            h0 = heldout()
+            best = {n: (params[_key(n) + "_R"].detach().clone(), params[_key(n) + "_b"].detach().clone(), h0,
+                        "start") for n in projs}
+        start_kl = next(iter(best.values()))[2] if start == 0 else None
+        bar = tqdm(range(start, steps), desc="distill routers (STE, KD)", unit="step", disable=not progress,
+                   initial=start, total=steps)
+        for step in bar:
+            g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 7 + step)
+            idx = train_idx[torch.randint(len(train_idx), (min(cfg.kd_batch, len(train_idx)),), generator=g)]
+            masks(idx, hard=False)
+            loss = kl(idx)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            bar.set_postfix(kl=f"{loss.item():.4f}")
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == steps:
+                h = heldout()
+                if h < next(iter(best.values()))[2]:
+                    best = {n: (params[_key(n) + "_R"].detach().clone(), params[_key(n) + "_b"].detach().clone(), h,
+                                f"step {step + 1}") for n in projs}
+            if state_path is not None and ((step + 1) % cfg.save_every == 0 or step + 1 == steps):
+                _save_state(Path(state_path), params, opt, best, step + 1)
+        bar.close()
+    finally:
+        for n in projs:
+            lins[n].mask = None
+    R_out, b_out = {}, {}
+    with torch.no_grad():
+        for n in projs:
+            src = router_input(n)
+            Rn = best[n][0] / sd[src]
+            R_out[n], b_out[n] = Rn.clone(), best[n][1] - Rn @ mu[src]
+    final = next(iter(best.values()))
+    report = {"kd_steps": steps, "kd_heldout_windows": len(val_idx), "kd_heldout_kl_start": start_kl,
+              "kd_heldout_kl": round(final[2], 6), "kd_kept": final[3]}
+    return R_out, b_out, report
+
+
+def select_frequency(data: RouterData, k: dict[str, int], R: dict[str, torch.Tensor],
+                     b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fraction of the windows in `data` in which each component is selected, {proj: (r_max,)}."""
+    out = {}
+    for n in k:
+        s = data.x[router_input(n)] @ R[n].T + b[n]  # (P, r)
+        top = s.topk(k[n], dim=-1).indices
+        out[n] = torch.zeros_like(s).scatter_(-1, top, 1.0).mean(0)
+    return out
+
+
+# --- aggregation ---------------------------------------------------------------------------------
+def aggregate_experts(model: Transformer, R: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
+                      freq: dict[str, torch.Tensor],
+                      head_freq: float = 0.9,  # a head component is selected in at least this fraction of prompts
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """Sort every matrix's components by selection frequency, in place: U columns, V rows and router rows.
+
+    A Basis Sharing group is permuted once, by its members' summed frequency (its V rows are shared).
+    Returns (perm {proj: (r_max,) new → old index}, head {proj: leading components selected in ≥ head_freq}).
+    """
+    lins = model.projections()
+    member_of = {m: g for g, ms in model.groups.items() for m in ms}
+    units = [ms for ms in model.groups.values()] + [[n] for n in R if n not in member_of]
+    perms, head = {}, {}
+    with torch.no_grad():
+        for members in units:
+            f = torch.stack([freq[m] for m in members]).mean(0)  # (r,)
+            perm = torch.sort(f, descending=True, stable=True).indices
+            h = int((f[perm] >= head_freq).long().cumprod(0).sum())
+            V = lins[members[0]].V
+            V.data = V.data[perm].contiguous()  # a group's one Parameter: every member sees the permuted basis
+            for m in members:
+                lins[m].U.data = lins[m].U.data[:, perm].contiguous()
+                R[m], b[m] = R[m][perm].contiguous(), b[m][perm].contiguous()
+                perms[m], head[m] = perm, h
+    return perms, head
+
+
+# --- the checkpoint ------------------------------------------------------------------------------
+def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
+                           keep: float = 0.6,  # fraction of dense decoder-linear parameters the static baseline keeps
+                           pool_factor: float = 2.0,  # r_max = min(ceil(pool_factor·K), min(out, in))
+                           calib_text: str | Path,  # whitening calibration text (svd-llm, basis-sharing)
+                           train_text: str | Path | list[str | Path],  # router corpus (.txt/.jsonl, or several
+                           # files sharing the windows evenly); not the evaluation text
+                           steps: int = 300,  # layer-local STE steps (after the closed-form warm start)
+                           kd_steps: int = 300,  # end-to-end STE steps against the dense logits (0 = none)
+                           base: str = "svd-llm",  # "svd-llm" | "basis-sharing"
+                           train: TrainConfig | None = None,
+                           calib_tokens: int = 131072, calib_seq_len: int | None = None,
+                           group_size: int = 2,  # basis-sharing: layers per shared basis
+                           head_freq: float = 0.9,
+                           work_dir: str | Path | None = None,  # resumable intermediates; None = .{out}.parse-work
+                           keep_work: bool = False,  # keep work_dir after success
+                           progress: bool = True) -> Path:
+    """Build a PARSE checkpoint from the dense native checkpoint `dense_dir`; returns `out_dir`.
+
+    Intermediates (the r_max pool, the collected router data, the train state) go to `work_dir`, so a run
+    interrupted at any stage resumes where it stopped when called again with the same arguments.
+    """
+    train = train or TrainConfig()
+    dense_dir, out_dir = Path(dense_dir), Path(out_dir)
+    if out_dir.exists():
+        raise CheckpointError(f"{out_dir} already exists; choose another output path or remove it first")
+    train_files = [str(p) for p in train_text] if isinstance(train_text, (list, tuple)) else [str(train_text)]
+    for label, p in [("calibration", calib_text)] + [("training", t) for t in train_files]:
+        if not Path(p).is_file():
+            raise ValueError(f"{label} text {p} does not exist or is not a file")
+    work = Path(work_dir) if work_dir is not None else out_dir.parent / f".{out_dir.name}.parse-work"
+    settings = dict(dense_dir=str(dense_dir), keep=keep, pool_factor=pool_factor, calib_text=str(calib_text),
+                    train_text=train_files, base=base, calib_tokens=calib_tokens, calib_seq_len=calib_seq_len,
+                    group_size=group_size, train={k: v for k, v in asdict(train).items() if k != "save_every"})
+    settings = json.loads(json.dumps(settings))  # tuples as lists, as read back
+    work.mkdir(parents=True, exist_ok=True)
+    if (work / "settings.json").is_file():
+        old = json.loads((work / "settings.json").read_text())
+        if old != settings:
+            raise ValueError(f"{work} holds a run with other settings; remove it or pass another work_dir")
+    (work / "settings.json").write_text(json.dumps(settings, indent=1))
+
+    tok = Tokenizer.load(dense_dir)
+    store_dtype = _stored_dtype(dense_dir)
+    pool_dir = work / "pool"
+    if not pool_dir.is_dir():  # stored in the source dtype and reloaded, so the routers see the served weights
+        model, k, r_max = build_pool(dense_dir, base, keep, calib_text, pool_factor, calib_tokens, calib_seq_len,
+                                     group_size, progress)
+        pm = Manifest(family=base, ranks={}, source=dense_dir.name, provenance={"parse_pool": True, "k": k})
+        save_checkpoint(pool_dir, model, pm, tokenizer_dir=dense_dir, dtype=store_dtype)
+    model, pm = load_checkpoint(pool_dir, "cpu", torch.float32)
+    k = pm.provenance["k"]
+    r_max = {n: r for n, r in pm.ranks.items() if r is not None}
+
+    data_path = work / "data.safetensors"
+    if data_path.is_file():
+        data = RouterData.load(data_path)
+    else:
+        dense_model, _ = load_checkpoint(dense_dir, "cpu", torch.float32)
+        dense = {n: l.dense_weight().detach() for n, l in dense_model.projections().items()}
+        del dense_model
+        windows = sample_windows(train_files, tok, train.windows, train.window, train.seed)
+        data = collect(model, dense, windows, train.prompt_len, train.sample_tokens, train.collect_batch,
+                       train.seed, progress)
+        data.save(data_path)
+
+    R, b, report = train_routers(data, k, steps, train, work / "train_state.safetensors", progress)
+    if kd_steps:
+        dense_model, _ = load_checkpoint(dense_dir, "cpu", torch.float32)
+        R, b, kd_report = distill_routers(model, dense_model, data, k, R, b, kd_steps, train,
+                                          work / "kd_state.safetensors", progress)
+        report |= kd_report
+        del dense_model
+    freq = select_frequency(data, k, R, b)
+    perms, head = aggregate_experts(model, R, b, freq, head_freq)
+
+    lins = model.projections()
+    shapes = model.cfg.linear_shapes()
+    kept_static, dense_params = count_params(model.cfg, {n: k.get(n) for n in lins}, model.groups)
+    compute_k = sum(k[n] * sum(shapes[n.rsplit(".", 1)[1]]) for n in k) + sum(
+        l.in_features * l.out_features for n, l in lins.items() if n not in k)
+    coverage = {n: float(freq[n][perms[n][:head[n]]].sum() / k[n]) for n in k}  # of a prompt's K, share in the head
+    state = dict(version=1, base=base, keep=keep, pool_factor=pool_factor, k=k, r_max=r_max, head=head,
+                 head_freq=head_freq,
+                 head_coverage=round(sum(coverage[n] * k[n] for n in k) / sum(k.values()), 4),
+                 keep_static=round(kept_static / dense_params, 6),  # memory of the static baseline at K
+                 keep_compute=round(compute_k / dense_params, 6),  # per-token linear FLOPs at K / dense
+                 choices=CHOICES,
+                 training={"corpus": [Path(t).name for t in train_files], **settings["train"], **report},
+                 calibration=dict(text=Path(calib_text).name, tokens=calib_tokens, seq_len=calib_seq_len))
+    manifest = Manifest(family=f"parse-{base}", ranks={}, source=dense_dir.name,
+                        provenance=dict(method=f"parse-{base}", keep_requested=keep, pool_factor=pool_factor,
+                                        source=str(dense_dir), group_size=group_size if base == "basis-sharing" else None),
+                        methods={"parse": state})
+    tensors = {f"parse.{n}.R": R[n] for n in k} | {f"parse.{n}.b": b[n] for n in k}
+    tensors |= {f"parse.{n}.perm": perms[n].clone() for n in k}  # stored index → the base's index (static = perm < K)
+    out = save_checkpoint(out_dir, model, manifest, tokenizer_dir=dense_dir, dtype=store_dtype,
+                          method_tensors=tensors)
+    if not keep_work:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+# --- helpers -------------------------------------------------------------------------------------
+def _stored_dtype(ckpt: Path) -> torch.dtype:
+    """The dtype a checkpoint stores its weights in (the PARSE checkpoint keeps it)."""
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+        stored = f.get_slice("embed.weight").get_dtype()
+    return {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(stored, torch.float32)
+
+
+def _key(proj: str) -> str:
+    return proj.replace(".", "_")
+
+
+def _hard(s: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.zeros_like(s).scatter_(-1, s.topk(k, dim=-1).indices, 1.0)
+
+
+def _ridge(x: torch.Tensor, a: torch.Tensor, Y: torch.Tensor, idx: torch.Tensor, grid: tuple[float, ...],
+           score) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router (R [r, in], b [r]) regressing the relative gains −a/Y on x (standardized), the intercept free;
+    ridge λ·n from `grid`, the one with the lowest `score(R, b)` (held-out loss). Scores are scaled to unit
+    std over the training windows so that AdamW's step size means the same for every matrix."""
+    X, G = x[idx].double(), (-a[idx] / Y[idx, None].clamp_min(1e-30)).double()  # (n, in), (n, r)
+    g0 = G.mean(0)
+    lam, Q = torch.linalg.eigh(X.T @ X)  # X is centered: no intercept column needed
+    QtXtG = Q.T @ (X.T @ (G - g0))  # (in, r)
+    out, best = None, float("inf")
+    for c in grid:
+        W = Q @ (QtXtG / (lam + c * len(idx))[:, None])  # (in, r)
+        scale = (X @ W + g0).std().clamp_min(1e-30)
+        R, b = (W.T / scale).float(), (g0 / scale).float()
+        s = score(R, b)
+        if s < best:
+            out, best = (R, b), s
+    return out
+
+
+def _save_state(path: Path, params, opt, best, step: int) -> None:
+    t = {f"param.{n}": p.detach() for n, p in params.items()}
+    names = {id(p): n for n, p in params.items()}
+    for p, st in opt.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            t[f"opt.{names[id(p)]}.{key}"] = st[key]
+    for n, (R, b, _, _) in best.items():
+        t[f"best.{n}.R"], t[f"best.{n}.b"] = R, b
+    meta = {"step": str(step), "best": json.dumps({n: [v[2], v[3]] for n, v in best.items()})}
+    tmp = path.with_suffix(".tmp")
+    save_file({k: v.contiguous() for k, v in t.items()}, str(tmp), metadata=meta)
+    tmp.replace(path)
+
+
+def _load_state(path: Path, params, opt, sched, best) -> int:
+    """Restore routers, AdamW moments, schedule and best-so-far from `path`; returns the step reached."""
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        step = int(meta["step"])
+        keys = set(f.keys())
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(f.get_tensor(f"param.{n}"))
+                if f"opt.{n}.exp_avg" in keys:
+                    opt.state[p] = {"step": torch.tensor(float(step)), "exp_avg": f.get_tensor(f"opt.{n}.exp_avg"),
+                                    "exp_avg_sq": f.get_tensor(f"opt.{n}.exp_avg_sq")}
+        for n, (loss, origin) in json.loads(meta["best"]).items():
+            best[n] = (f.get_tensor(f"best.{n}.R"), f.get_tensor(f"best.{n}.b"), loss, origin)
+    sched.last_epoch = step
+    for g in opt.param_groups:  # the lr the schedule gives at `step`
+        g["lr"] = g["initial_lr"] * sched.lr_lambdas[0](step)
+    return step

@@ -1,0 +1,299 @@
+"""PARSE: STE gradients, aggregation invariance, masks vs gathered factors, subset validation, engine rank reuse.
+
+Run alone: .venv/bin/python -m pytest tests/test_parse.py -q
+Builds small PARSE checkpoints of the bundled stories260K (svd-llm and basis-sharing pools) once per module;
+about 20 s on 2 cores.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from rankserve.compress.parse import (RouterData, TrainConfig, aggregate_experts, build_parse_checkpoint,
+                                      plan_experts, ste_topk, train_routers)
+from rankserve.workers.checkpoint import load_checkpoint
+from rankserve.workers.engine import Engine
+from rankserve.workers.model import Transformer
+from rankserve.workers.parse import apply, clear, load_parse, select, select_batch, validate
+from rankserve.workers.sampler import SamplingParams
+from rankserve.workers.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+STORIES = ROOT / "models" / "stories260K"
+CALIB = ROOT / "tests" / "data" / "tinyshakespeare-head.txt"  # calibration and router training; not evaluated on
+TRAIN = TrainConfig(windows=48, window=32, prompt_len=16, batch_size=16, collect_batch=16, eval_every=2,
+                    save_every=2, kd_batch=4, kd_eval=8)
+
+
+@pytest.fixture(scope="module", params=["svd-llm", "basis-sharing"])
+def parse_dir(request, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp(f"parse-{request.param}") / "ckpt"
+    return build_parse_checkpoint(STORIES, out, keep=0.6, pool_factor=2.0, calib_text=CALIB, train_text=CALIB,
+                                  steps=4, kd_steps=2, base=request.param, train=TRAIN, calib_tokens=2048,
+                                  calib_seq_len=128, progress=False)
+
+
+@pytest.fixture(scope="module")
+def svd_llm_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("parse-svd-llm-engine") / "ckpt"
+    return build_parse_checkpoint(STORIES, out, keep=0.6, calib_text=CALIB, train_text=CALIB, steps=2, kd_steps=0,
+                                  train=TRAIN, calib_tokens=2048, calib_seq_len=128, progress=False)
+
+
+def _load64(path: Path):
+    model, man = load_checkpoint(path, "cpu", torch.float64)  # fp64: comparisons exact up to summation order
+    return model, man, load_parse(path, model)
+
+
+def _random_subset(routers, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"v": 1, "k": {n: sorted(torch.randperm(routers.r_max[n], generator=g)[:k].tolist())
+                          for n, k in routers.k.items()}}
+
+
+def _gathered(model: Transformer, subset: dict) -> Transformer:
+    """The static model holding only the subset's components: U[:, S], V[S, :] per projection (no sharing)."""
+    lins = model.projections()
+    ranks = {n: (len(subset["k"][n]) if n in subset["k"] else lins[n].rank) for n in lins}
+    out = Transformer(model.cfg, ranks, dtype=torch.float64)
+    sd = model.state_dict()
+    with torch.no_grad():
+        for name, p in out.named_parameters():
+            proj = name.rsplit(".", 1)[0]
+            if proj in subset["k"] and name.endswith((".U", ".V")):
+                idx = torch.tensor(subset["k"][proj])
+                src = lins[proj].U[:, idx] if name.endswith(".U") else lins[proj].V[idx]
+                p.copy_(src)
+            else:
+                p.copy_(sd[name])
+    return out.eval()
+
+
+# --- training pieces ---------------------------------------------------------------------------------
+def test_ste_forward_is_hard_topk_and_gradient_reaches_the_router():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 20, generator=g)
+    R = torch.nn.Parameter(torch.randn(12, 20, generator=g) * 0.1)
+    b = torch.nn.Parameter(torch.randn(12, generator=g))
+    a = torch.randn(6, 12, generator=g)  # per-component loss coefficients
+    m = ste_topk(x @ R.T + b, 5)
+    assert torch.equal(m.detach().sum(-1), torch.full((6,), 5.0)) and set(m.detach().unique().tolist()) == {0.0, 1.0}
+    assert torch.equal(m.detach(), torch.zeros(6, 12).scatter_(-1, (x @ R.T + b).topk(5).indices, 1.0))
+    (a * m).sum().backward()
+    assert R.grad is not None and b.grad is not None
+    assert torch.isfinite(R.grad).all() and R.grad.abs().sum() > 0 and b.grad.abs().sum() > 0
+
+
+def test_multilinear_loss_equals_reconstruction_error_on_hard_masks():
+    """RouterData.loss from the collected statistics == ‖U(m⊙Vx) − Wx‖² / ‖Wx‖² computed directly."""
+    from rankserve.compress.parse import collect
+
+    g = torch.Generator().manual_seed(1)
+    model, _ = load_checkpoint(STORIES, "cpu", torch.float64)
+    cfg = model.cfg
+    ranks = {n: 10 for n in model.projections()}
+    pool = Transformer(cfg, ranks, dtype=torch.float64)
+    dense = {n: l.weight.detach() for n, l in model.projections().items()}
+    with torch.no_grad():
+        for name, p in pool.named_parameters():
+            p.copy_(model.state_dict()[name] if name in model.state_dict() else torch.randn(p.shape, generator=g,
+                                                                                             dtype=p.dtype) * 0.2)
+    windows = torch.randint(0, 512, (3, 12), generator=g)
+    data = collect(pool, dense, windows, prompt_len=6, sample_tokens=12, progress=False)  # all tokens sampled: exact
+    name = "layers.1.mlp.up"
+    xs = {}
+    h = pool.projections()[name].register_forward_pre_hook(lambda mod, inp: xs.setdefault("x", inp[0]))
+    with torch.no_grad():
+        pool(windows)
+    h.remove()
+    lin, x = pool.projections()[name], xs["x"]  # x (3, 12, in)
+    m = (torch.rand(3, 10, generator=g) > 0.5).double()
+    y = x @ dense[name].T
+    direct = (((x @ lin.V.T) * m[:, None]) @ lin.U.T - y).pow(2).sum((1, 2)) / y.pow(2).sum((1, 2))
+    assert name in data.zs  # random U: not orthogonal, the cross term is in play
+    assert torch.allclose(data.loss(name, torch.arange(3), m.float()).double(), direct, rtol=1e-4)
+
+
+def test_train_routers_resumes_to_the_same_result(tmp_path):
+    g = torch.Generator().manual_seed(2)
+    P, r, d = 40, 8, 6
+    data = RouterData(windows=torch.zeros(P, 4, dtype=torch.long), x={"layers.0.attn.q": torch.randn(P, d, generator=g)},
+                      a={"layers.0.attn.q": -torch.rand(P, r, generator=g)}, Y={"layers.0.attn.q": torch.ones(P) * 3},
+                      zs={}, G_off={}, scale=1.0)
+    k = {"layers.0.attn.q": 3}
+    cfg = TrainConfig(batch_size=8, save_every=3, eval_every=2, warmup=2)
+    R_full, b_full, _ = train_routers(data, k, 6, cfg, tmp_path / "a.safetensors", progress=False)
+    train_routers(data, k, 3, cfg, tmp_path / "b.safetensors", progress=False)  # interrupted at step 3 ...
+    R_res, b_res, rep = train_routers(data, k, 6, cfg, tmp_path / "b.safetensors", progress=False)  # ... resumed
+    assert torch.allclose(R_full["layers.0.attn.q"], R_res["layers.0.attn.q"], atol=1e-6)
+    assert torch.allclose(b_full["layers.0.attn.q"], b_res["layers.0.attn.q"], atol=1e-6)
+    assert rep["steps"] == 6
+
+
+# --- the checkpoint ----------------------------------------------------------------------------------
+def test_checkpoint_records_parse_state(parse_dir):
+    man = json.loads((parse_dir / "rankserve.json").read_text())
+    state = man["methods"]["parse"]
+    model, _, routers = _load64(parse_dir)
+    base = state["base"]
+    k, r_max, _ = plan_experts(model.cfg, base, 0.6, 2.0)
+    assert state["k"] == k and state["r_max"] == r_max and man["family"] == f"parse-{base}"
+    assert all(man["ranks"][n] == r for n, r in r_max.items())
+    assert all(0 <= state["head"][n] <= r_max[n] for n in k)
+    for key in ("router_granularity", "router_input", "k", "loss", "ste", "retrieval_embedding", "groups"):
+        assert key in state["choices"]
+    assert state["keep_compute"] < man["keep"]  # memory at r_max exceeds compute at K
+    assert set(routers.k) == set(k)
+    if base == "basis-sharing":
+        assert man["groups"] and all(model.projections()[ms[0]].V is model.projections()[ms[1]].V
+                                     for ms in man["groups"].values())
+
+
+def test_permutation_leaves_outputs_unchanged(parse_dir):
+    model, _, routers = _load64(parse_dir)
+    x = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        before = model(x)
+    subset = _random_subset(routers, 4)
+    apply(model, [subset, None])
+    with torch.no_grad():
+        masked_before = model(x)
+    clear(model)
+    g = torch.Generator().manual_seed(5)
+    freq = {n: torch.rand(r, generator=g) for n, r in routers.r_max.items()}
+    R = {n: v.double() for n, v in routers.R.items()}
+    b = {n: v.double() for n, v in routers.b.items()}
+    probe = {n: torch.randn(R[n].shape[1], dtype=torch.float64, generator=g) for n in R}
+    scores = {n: probe[n] @ R[n].T + b[n] for n in R}
+    perms, _ = aggregate_experts(model, R, b, freq)
+    with torch.no_grad():
+        after = model(x)
+    assert torch.allclose(after, before, rtol=1e-9, atol=1e-9)
+    for n in R:  # router rows moved with their components
+        assert torch.allclose(probe[n] @ R[n].T + b[n], scores[n][perms[n]])
+    # the same subset, renamed through the permutation, gives the same masked model
+    inv = {n: torch.argsort(p) for n, p in perms.items()}
+    moved = {"v": 1, "k": {n: sorted(inv[n][torch.tensor(s)].tolist()) for n, s in subset["k"].items()}}
+    apply(model, [moved, None])
+    with torch.no_grad():
+        assert torch.allclose(model(x), masked_before, rtol=1e-9, atol=1e-9)
+    clear(model)
+
+
+def test_subset_of_all_components_equals_full_model(parse_dir):
+    model, _, routers = _load64(parse_dir)
+    x = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        full = model(x)
+    everything = {"v": 1, "k": {n: list(range(r)) for n, r in routers.r_max.items()}}
+    apply(model, [everything, everything])
+    with torch.no_grad():
+        assert torch.equal(model(x), full)
+    clear(model)
+
+
+def test_k_subset_masks_equal_gathered_factors(parse_dir):
+    model, _, routers = _load64(parse_dir)
+    x = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(7))
+    s0, s1 = _random_subset(routers, 8), _random_subset(routers, 9)
+    apply(model, [s0, s1])  # a different subset per row
+    with torch.no_grad():
+        masked = model(x)
+    clear(model)
+    with torch.no_grad():
+        assert torch.allclose(masked[0], _gathered(model, s0)(x[:1])[0], rtol=1e-9, atol=1e-9)
+        assert torch.allclose(masked[1], _gathered(model, s1)(x[1:])[0], rtol=1e-9, atol=1e-9)
+    static = routers.static_subset()  # the base's first K, wherever aggregation moved them
+    assert all(len(v) == routers.k[n] for n, v in static["k"].items())
+
+
+def test_subset_validation(parse_dir):
+    model, _, routers = _load64(parse_dir)
+    good = _random_subset(routers)
+    assert validate(json.loads(json.dumps(good)), routers) == good
+    name = next(iter(routers.k))
+    bad = [
+        ("not a dict", "rank subset is"),
+        ({"v": 2, "k": good["k"]}, "rank subset is"),
+        ({"v": 1, "k": {**good["k"], "layers.99.attn.q": [0]}}, "does not route"),
+        ({"v": 1, "k": {n: v for n, v in good["k"].items() if n != name}}, "lacks projections"),
+        ({"v": 1, "k": {**good["k"], name: good["k"][name][:-1]}}, "distinct indices"),
+        ({"v": 1, "k": {**good["k"], name: [0] * routers.k[name]}}, "distinct indices"),
+        ({"v": 1, "k": {**good["k"], name: list(range(routers.r_max[name] - routers.k[name] + 1,
+                                                      routers.r_max[name] + 1))}}, "must be in"),
+        ({"v": 1, "k": {**good["k"], name: [-1] + good["k"][name][1:]}}, "must be in"),
+        ({"v": 1, "k": {**good["k"], name: [str(i) for i in good["k"][name]]}}, "integer indices"),
+    ]
+    for subset, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            validate(subset, routers)
+
+
+def test_select_is_a_valid_subset_and_batch_matches_single(parse_dir):
+    model, _, routers = _load64(parse_dir)
+    tok = Tokenizer.load(parse_dir)
+    a, b = tok.encode("Once upon a time there was a dog", bos=True), tok.encode("The sun", bos=True)
+    s = select(model, routers, a)
+    assert validate(s, routers) == s
+    tokens = torch.zeros(2, len(a), dtype=torch.long)
+    tokens[0], tokens[1, :len(b)] = torch.tensor(a), torch.tensor(b)
+    batch = select_batch(model, routers, tokens, torch.tensor([len(a), len(b)]))  # right padding ignored
+    assert batch[0] == s and batch[1] == select(model, routers, b)
+
+
+# --- the engine: rank reuse ----------------------------------------------------------------------------
+def test_engine_with_subset_equals_gathered_static_model(svd_llm_dir):
+    model, man, routers = _load64(svd_llm_dir)
+    tok = Tokenizer.load(svd_llm_dir)
+    engine = Engine(model, tok, man, routers=routers)
+    greedy = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    prompt = "Once upon a time"
+    subset = engine.rank_subset(prompt)
+    assert subset is not None and validate(subset, routers) == subset
+    ours = engine.generate(prompt, greedy, subset=subset)
+    theirs = Engine(_gathered(model, subset), tok).generate(prompt, greedy)
+    assert ours.token_ids == theirs.token_ids
+    assert engine.generate(prompt, greedy).token_ids == ours.token_ids  # no subset: the routers choose the same
+    other = _random_subset(routers, 11)
+    assert engine.generate(prompt, greedy, subset=other).token_ids == \
+        Engine(_gathered(model, other), tok).generate(prompt, greedy).token_ids
+    with pytest.raises(ValueError, match="distinct indices"):
+        engine.generate(prompt, greedy, subset={"v": 1, "k": {n: [0] for n in routers.k}})
+
+
+def test_rank_reuse_masks_frozen_through_decode(svd_llm_dir):
+    engine = Engine.load(svd_llm_dir)
+    lin = engine.model.projections()["layers.2.mlp.down"]
+    subset = engine.rank_subset("Lily and Ben went to the park")
+    seen = []
+    h = lin.register_forward_pre_hook(lambda mod, inp: seen.append((inp[0].shape[1], mod.mask.clone())))
+    engine.generate("Lily and Ben went to the park", SamplingParams(max_new_tokens=10, ignore_eos=True), subset)
+    h.remove()
+    assert len(seen) == 10 and seen[0][0] > 1 and all(s == 1 for s, _ in seen[1:])  # prefill + 9 decode steps
+    want = torch.zeros(1, lin.rank)
+    want[0, subset["k"]["layers.2.mlp.down"]] = 1
+    assert all(torch.equal(m, want) for _, m in seen)  # the prefill subset, frozen
+    assert all(l.mask is None for l in engine.model.projections().values())  # cleared after the request
+    events = list(engine.stream("Lily", SamplingParams(max_new_tokens=3, ignore_eos=True), subset))
+    assert len(events) == 3 and lin.mask is None
+
+
+def test_reroute_every_changes_masks_only_at_its_period(svd_llm_dir):
+    engine = Engine.load(svd_llm_dir, reroute_every=4)
+    lin = engine.model.projections()["layers.0.attn.q"]
+    seen = []
+    h = lin.register_forward_pre_hook(lambda mod, inp: seen.append(None if mod.mask is None else mod.mask.clone()))
+    engine.generate("Once upon a time", SamplingParams(max_new_tokens=9, ignore_eos=True))
+    h.remove()
+    decode = [m for m in seen if m is not None]  # the routers' own forwards run unmasked
+    assert len(decode) == 9 and all(int(m.sum()) == engine.routers.k["layers.0.attn.q"] for m in decode)
+    assert all(torch.equal(decode[i], decode[0]) for i in range(4))  # prefill + 3 steps on the prefill subset
+
+
+def test_static_checkpoint_has_no_routers():
+    engine = Engine.load(STORIES)
+    assert engine.routers is None and engine.rank_subset("Once") is None
+    with pytest.raises(ValueError, match="no PARSE rank experts"):
+        engine.generate("Once", SamplingParams(max_new_tokens=2), subset={"v": 1, "k": {}})
