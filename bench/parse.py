@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool-factor", type=float, default=2.0)
     ap.add_argument("--data", default=str(SHARED / "wikitext-2-raw-test" / "wiki.test.raw"), help="held-out text")
     ap.add_argument("--calib", default=str(WIKI_VALID))
-    ap.add_argument("--train-text", nargs="+", default=[str(WIKI_VALID), str(ROOT / ".carry" / "corpus" / "train.jsonl")],
+    ap.add_argument("--train-text", nargs="+",
+                    default=[str(WIKI_VALID), str(ROOT / ".carry" / "corpus" / "train.jsonl")],
                     help="router-training corpus, windows shared evenly (missing files are dropped)")
     ap.add_argument("--steps", type=int, default=100, help="layer-local STE steps")
     ap.add_argument("--kd-steps", type=int, default=300, help="end-to-end (logit KD) STE steps")
@@ -65,10 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     tok = Tokenizer.load(a.model)
     dense, _ = load_checkpoint(a.model, "cpu", torch.float32)
     n_win = math.ceil(a.max_tokens / (a.seq_len - a.prompt_len))
-    sets = {"WikiText-2 test": _windows(Path(a.data).read_text(encoding="utf-8", errors="replace"), tok, a.seq_len, n_win)}
+    held_out = Path(a.data).read_text(encoding="utf-8", errors="replace")
+    sets = {"WikiText-2 test": _windows(held_out, tok, a.seq_len, n_win)}
     jsonl = [t for t in train_text if t.endswith(".jsonl")]
     if jsonl:  # documents the router-training draw never visited
-        sets[f"{Path(jsonl[0]).name} held-out docs"] = sample_windows(jsonl[0], tok, n_win, a.seq_len, seed=0, reverse=True)
+        sets[f"{Path(jsonl[0]).name} held-out docs"] = sample_windows(jsonl[0], tok, n_win, a.seq_len, seed=0,
+                                                                      reverse=True)
     cache_windows = torch.cat([
         _windows(Path(a.calib).read_text(encoding="utf-8", errors="replace"), tok, a.seq_len, a.cache_prompts)]
         + [sample_windows(t, tok, a.cache_prompts, a.seq_len, seed=0) for t in jsonl])[:, :a.prompt_len]  # train docs
@@ -109,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         route_ms = (time.perf_counter() - t0) / 16 * 1e3
         bias_only = {"v": 1, "k": {n: sorted(routers.b[n].topk(k).indices.tolist()) for n, k in routers.k.items()}}
         train = state["training"]
+        corpus = [train["corpus"]] if isinstance(train["corpus"], str) else train["corpus"]
         md += [f"## {base}: K = static rank at keep {a.keep}, r_max = {a.pool_factor:g}·K", "",
                f"- Memory (parameters stored / dense decoder-linear parameters): static {sm.keep:.3f}; PARSE pool at "
                f"r_max {pm.keep:.3f}. Compute (decoder-linear FLOPs per token / dense) at K: "
@@ -116,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                f"- Shared head (components selected by ≥ {state['head_freq']:g} of the training windows, stored "
                f"first): {sum(state['head'].values())} of {sum(state['r_max'].values())} components; "
                f"{state['head_coverage']:.1%} of a request's K picks fall in the head.",
-               f"- Router training (corpus {', '.join(train['corpus'])}; {train['windows']} windows of "
+               f"- Router training (corpus {', '.join(corpus)}; {train['windows']} windows of "
                f"{train['window']} tokens, {train['windows_heldout']} held out): layer-local held-out relative "
                f"error {json.dumps(train['heldout_rel_error'])}, kept per matrix {json.dumps(train['kept'])}; "
                f"end-to-end KD held-out KL {train.get('kd_heldout_kl_start', float('nan')):.4f} → "
@@ -154,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                 md.append(f"| {name} | {s['perplexity']:.2f} | {s['top1_agreement']:.4f} | {s['kl']:.4f} | "
                           f"{mean:+.4f} ± {1.96 * se:.4f} | {hr} |")
                 results.append(dict(base=base, set=set_name, config=name, delta_nll=mean, delta_nll_se=se,
-                                    hit_rate=hits.get(name), memory_keep=sm.keep if name.startswith("static") else pm.keep,
+                                    hit_rate=hits.get(name),
+                                    memory_keep=sm.keep if name.startswith("static") else pm.keep,
                                     compute_keep=pm.keep if "r_max" in name else state["keep_compute"],
                                     **{k: v for k, v in s.items() if k != "window_nll"}))
             md += ["", f"Nearest cached prompt: cosine median {cos.median():.3f}, max {cos.max():.3f}; its subset "

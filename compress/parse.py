@@ -358,8 +358,9 @@ def train_routers(data: RouterData, k: dict[str, int], steps: int, cfg: TrainCon
        than static on the held-out windows).
     The input standardization is folded into the returned R and b (s = R x̄ + b on the raw pooled input).
     `report["heldout_rel_error"]` has the mean relative reconstruction error over matrices on the held-out
-    windows for static, warm start, the kept routers, and the oracle (top-K by each window's own statistics,
-    an upper bound no prompt-pooled router reaches). If `state_path` exists the run resumes from it
+    windows for static, warm start, the kept routers, and the oracle (top-K by each window's own gains −a: the
+    best any router can do for orthogonal U such as svd-llm's; for Basis Sharing members it ignores the cross
+    term, so it is no bound there). If `state_path` exists the run resumes from it
     (routers, AdamW moments, best-so-far, step); it is rewritten every `cfg.save_every` steps.
     """
     cfg = cfg or TrainConfig()
@@ -584,7 +585,7 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
                            calib_text: str | Path,  # whitening calibration text (svd-llm, basis-sharing)
                            train_text: str | Path | list[str | Path],  # router corpus (.txt/.jsonl, or several
                            # files sharing the windows evenly); not the evaluation text
-                           steps: int = 300,  # layer-local STE steps (after the closed-form warm start)
+                           steps: int = 100,  # layer-local STE steps (after the closed-form warm start)
                            kd_steps: int = 300,  # end-to-end STE steps against the dense logits (0 = none)
                            base: str = "svd-llm",  # "svd-llm" | "basis-sharing"
                            train: TrainConfig | None = None,
@@ -669,7 +670,8 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
                  calibration=dict(text=Path(calib_text).name, tokens=calib_tokens, seq_len=calib_seq_len))
     manifest = Manifest(family=f"parse-{base}", ranks={}, source=dense_dir.name,
                         provenance=dict(method=f"parse-{base}", keep_requested=keep, pool_factor=pool_factor,
-                                        source=str(dense_dir), group_size=group_size if base == "basis-sharing" else None),
+                                        source=str(dense_dir),
+                                        group_size=group_size if base == "basis-sharing" else None),
                         methods={"parse": state})
     tensors = {f"parse.{n}.R": R[n] for n in k} | {f"parse.{n}.b": b[n] for n in k}
     tensors |= {f"parse.{n}.perm": perms[n].clone() for n in k}  # stored index → the base's index (static = perm < K)

@@ -2,6 +2,8 @@
 
 generate → prefill (the whole batch, right-padded, into a fresh dense KV cache) → decode steps (one token
 per row per step) until every row hits EOS, a stop token or string, or its token budget.
+A PARSE checkpoint masks each row's rank components once at prefill and keeps them for every decode step of the
+request (rank reuse; `workers/parse.py`).
 """
 
 from __future__ import annotations
