@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rankserve.kernels.lowrank_linear import gdc_launch_dependents, gdc_wait, launch_opts
+
 try:  # optional: flash_attn_decode uses it when present
     from flash_attn import flash_attn_with_kvcache as _flash_attn_with_kvcache
 except ImportError:
@@ -35,7 +37,11 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_seqlens_ptr, mid_o_ptr, mid_
                          stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                          stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
                          G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr):
+                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
+                         PDL: tl.constexpr):
+    if PDL:  # q and the newest key come from the previous kernel: wait for it before any load
+        gdc_launch_dependents()
+        gdc_wait()
     b = tl.program_id(0).to(tl.int64)  # batch offsets of a big cache overflow int32
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -84,8 +90,11 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_seqlens_ptr, mid_o_ptr, mid_
 @triton.jit
 def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
                          stride_ob, stride_oh, D: tl.constexpr, D_PAD: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
     # grid (B, H): out = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -111,14 +120,14 @@ def default_num_splits(S_max: int, B: int, H_kv: int, num_sms: int = 132) -> int
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
                      *, num_splits: int, out: torch.Tensor | None = None, mid_o: torch.Tensor | None = None,
-                     mid_lse: torch.Tensor | None = None) -> torch.Tensor:
+                     mid_lse: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """Attention of one query token per row over keys 0..cache_seqlens[b] inclusive, scale 1/sqrt(D).
 
     q: (B, H, D) bf16 (GPU) or fp32, unit stride on D. k_cache, v_cache: (B, S_max, H_kv, D), same dtype,
     unit stride on D; H a multiple of H_kv (GQA/MQA/MHA). cache_seqlens: (B,) int32 on device.
     num_splits: fixed split-K factor (default_num_splits(S_max, B, H_kv)).
     out: optional (B, H, D) q.dtype. mid_o (B, H, num_splits, D) and mid_lse (B, H, num_splits): optional
-    fp32 scratch. Returns out. Two launches, no host sync.
+    fp32 scratch. pdl: programmatic dependent launch (Hopper+). Returns out. Two launches, no host sync.
     """
     B, H, D = q.shape
     _, S_max, H_kv, _ = k_cache.shape
@@ -133,7 +142,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if mid_lse is None:
         mid_lse = torch.empty(B, H, num_splits, device=q.device, dtype=torch.float32)
     BLOCK_N, num_warps, num_stages = _decode_config(G, D, q.is_cuda)
-    _launch_decode(q, k_cache, v_cache, cache_seqlens, out, mid_o, mid_lse, BLOCK_N, num_warps, num_stages)
+    _launch_decode(q, k_cache, v_cache, cache_seqlens, out, mid_o, mid_lse, BLOCK_N, num_warps, num_stages, pdl)
     return out
 
 
@@ -145,7 +154,8 @@ def _decode_config(G: int, D: int, on_gpu: bool) -> tuple[int, int, int]:
     return (64, 4, 2) if G == 1 else (128, 8, 2)
 
 
-def _launch_decode(q, k_cache, v_cache, cache_seqlens, out, mid_o, mid_lse, BLOCK_N, num_warps, num_stages):
+def _launch_decode(q, k_cache, v_cache, cache_seqlens, out, mid_o, mid_lse, BLOCK_N, num_warps, num_stages,
+                   pdl: bool = False):
     B, H, D = q.shape
     H_kv = k_cache.shape[2]
     G = H // H_kv
@@ -157,12 +167,12 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, out, mid_o, mid_lse, BLOC
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         G=G, D=D, D_PAD=D_PAD, BLOCK_H=max(16, triton.next_power_of_2(G)), BLOCK_N=BLOCK_N,
-        NUM_SPLITS=num_splits, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages)
+        NUM_SPLITS=num_splits, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl))
     _decode_merge_kernel[(B, H)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), D=D, D_PAD=D_PAD, NUM_SPLITS=num_splits,
-        SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4 if q.is_cuda else 1)
+        SPLITS_PAD=triton.next_power_of_2(num_splits), PDL=pdl, num_warps=4 if q.is_cuda else 1, **launch_opts(pdl))
 
 
 def flash_attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,

@@ -9,17 +9,21 @@ import torch
 import triton
 import triton.language as tl
 
-from rankserve.kernels.lowrank_linear import _gemv_tile, gemv, gemv_config, pad_rows
+from rankserve.kernels.lowrank_linear import _gemv_tile, gdc_launch_dependents, gemv, gemv_config, launch_opts, pad_rows
 
 
 @triton.jit
 def _gate_up_u_kernel(t_ptr, Ug_ptr, Uu_ptr, h_ptr, B, N, rg, ru, stride_t, stride_ug, stride_uu, stride_h,
-                      B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # grid (cdiv(N, BLOCK_N),): h[b, n] = silu(sum_j t[b, j] Ug[n, j]) * sum_j t[b, rg + j] Uu[n, j]
+    if PDL:
+        gdc_launch_dependents()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    g = _gemv_tile(t_ptr, stride_t, Ug_ptr, stride_ug, offs_n, mask_n, B, rg, B_PAD, BLOCK_N, BLOCK_K)
-    u = _gemv_tile(t_ptr + rg, stride_t, Uu_ptr, stride_uu, offs_n, mask_n, B, ru, B_PAD, BLOCK_N, BLOCK_K)
+    g = _gemv_tile(t_ptr, stride_t, Ug_ptr, stride_ug, offs_n, mask_n, B, rg, 0.0, B_PAD, BLOCK_N, BLOCK_K,
+                   False, PDL)
+    u = _gemv_tile(t_ptr + rg, stride_t, Uu_ptr, stride_uu, offs_n, mask_n, B, ru, 0.0, B_PAD, BLOCK_N, BLOCK_K,
+                   False, False)
     h = g / (1.0 + tl.exp(-g)) * u  # (B_PAD, BLOCK_N) fp32
     offs_b = tl.arange(0, B_PAD)
     tl.store(h_ptr + offs_b[:, None] * stride_h + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
@@ -27,12 +31,16 @@ def _gate_up_u_kernel(t_ptr, Ug_ptr, Uu_ptr, h_ptr, B, N, rg, ru, stride_t, stri
 
 
 def gate_up(x: torch.Tensor, Vgu: torch.Tensor, Ug: torch.Tensor, Uu: torch.Tensor, *,
-            out: torch.Tensor | None = None, t: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, t: torch.Tensor | None = None, norm_eps: float | None = None,
+            keep: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """h = silu(Ug (Vg x)) * (Uu (Vu x)) for each row of x.
 
     x: (B, hidden) already RMS-normed, bf16 (GPU) or fp32, B <= 8. Vgu: (rg + ru, hidden), gate then up input
     factors stacked. Ug: (inter, rg), Uu: (inter, ru). Weights x.dtype, row-major.
     out: optional (B, inter) x.dtype; t: optional (B, rg + ru) fp32 scratch.
+    norm_eps: x is the raw residual stream, RMS-normalized inside the first GEMV (norm weight folded into Vgu).
+    keep: optional (B, rg + ru) 0/1 mask of each row's rank components (PARSE). pdl: programmatic dependent
+    launch (Hopper+).
     Returns h (B, inter). Two launches, no host sync.
     """
     B = x.shape[0]
@@ -44,11 +52,12 @@ def gate_up(x: torch.Tensor, Vgu: torch.Tensor, Ug: torch.Tensor, Uu: torch.Tens
         t = torch.empty(B, rg + ru, device=x.device, dtype=torch.float32)
     if out is None:
         out = torch.empty(B, N, device=x.device, dtype=x.dtype)
-    gemv(x, Vgu, out=t)  # (B, rg + ru) fp32
+    gemv(x, Vgu, out=t, norm_eps=norm_eps, keep=keep, pdl=pdl)  # (B, rg + ru) fp32
     BLOCK_N, BLOCK_K, num_warps, num_stages = gemv_config(B, N, x.is_cuda)
     _gate_up_u_kernel[(triton.cdiv(N, BLOCK_N),)](
         t, Ug, Uu, out, B, N, rg, ru, t.stride(0), Ug.stride(0), Uu.stride(0), out.stride(0),
-        B_PAD=pad_rows(B), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=num_stages)
+        B_PAD=pad_rows(B), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        **launch_opts(pdl))
     return out
 
 

@@ -21,6 +21,15 @@ Alternatives measured (bench/kernels_gpu.py --only gemv_sweep, H200):
   - one fused launch splitting r (each program: t_chunk = V_chunk x, then atomically y += U[:, chunk] t_chunk):
     saves a launch but needs a zeroed fp32 y, an extra cast and out * r / chunk fp32 atomics.
 
+Fusions the decoder uses (workers/fast_decode.py):
+  - NORM: the RMSNorm before q/k/v, gate/up and the LM head rides in the GEMV that reads the residual stream:
+    the norm weight is folded into w's columns at load time and every program already walks the whole row,
+    so it accumulates the sum of squares on the way and scales its outputs at the end (no norm kernel);
+  - RESIDUAL: the o and down projections add into the residual stream in their epilogue (no add kernel);
+  - PDL (Hopper+): every kernel is launched with programmatic dependent launch, signals its dependents as it
+    starts and loads its first weight tile before `griddepcontrol.wait`, so one kernel's launch and weight
+    stream overlap the previous kernel's tail.
+
 `_gemv_tile` is shared with qkv_rope.py and gate_up.py (their second stage is this GEMV with a fused epilogue).
 """
 
@@ -28,33 +37,76 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # programmatic dependent launch (Hopper+): triton >= 3.3
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    HAVE_PDL = True
+except ImportError:  # pragma: no cover - older triton: PDL stays off
+    HAVE_PDL = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
 
 @triton.jit
-def _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K,
-               B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, eps,
+               B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               NORM: tl.constexpr, PDL: tl.constexpr):
     """acc[b, n] = sum_k x[b, k] * w[offs_n[n], k] for k in [0, K); fp32 (B_PAD, BLOCK_N).
 
     x: rows b < B at x_ptr + b * stride_x, any float dtype; w: row-major rows at w_ptr + n * stride_w.
     Both must have unit stride along k.
+    NORM: also scale row b by rsqrt(mean_k x[b, k]^2 + eps), i.e. an RMSNorm of x whose weight the caller
+    folded into w's columns; the sum of squares rides along the K loop every program walks anyway.
+    PDL: the first weight tile is loaded before waiting on the previous kernel (weights never depend on it),
+    so under programmatic dependent launch the stream starts while that kernel drains.
     """
     offs_b = tl.arange(0, B_PAD)
     mask_b = offs_b < B
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_k = offs_k < K
     if B_PAD == 1:
         # CUDA cores; reduce over K once, after the loop
-        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        w = tl.load(w_ptr + offs_n[:, None] * stride_w + offs_k[None, :],
+                    mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
+        if PDL:
+            gdc_wait()
+        xk = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        acc2 = w.to(tl.float32) * xk[None, :]  # (BLOCK_N, BLOCK_K)
+        ss = xk * xk  # (BLOCK_K,)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
             w = tl.load(w_ptr + offs_n[:, None] * stride_w + offs_k[None, :],
                         mask=mask_n[:, None] & mask_k[None, :], other=0.0,
                         eviction_policy="evict_first")  # (BLOCK_N, BLOCK_K)
-            xk = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0, eviction_policy="evict_last")  # (BLOCK_K,)
-            acc2 += w.to(tl.float32) * xk.to(tl.float32)[None, :]
+            xk = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            acc2 += w.to(tl.float32) * xk[None, :]
+            if NORM:
+                ss += xk * xk
         acc = tl.sum(acc2, axis=1)[None, :]  # (1, BLOCK_N)
+        if NORM:
+            acc = acc / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
     else:
         # tensor cores: x zero-padded to B_PAD >= 16 rows; x is rounded to w's dtype (as torch's bf16 GEMM would)
+        wT = tl.load(w_ptr + offs_n[None, :] * stride_w + offs_k[:, None],
+                     mask=mask_k[:, None] & mask_n[None, :], other=0.0, eviction_policy="evict_first")
+        if PDL:
+            gdc_wait()
+        xk = tl.load(x_ptr + offs_b[:, None] * stride_x + offs_k[None, :],
+                     mask=mask_b[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_last")
         acc = tl.zeros((B_PAD, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        xf = xk.to(tl.float32)
+        ss = tl.sum(xf * xf, axis=1)  # (B_PAD,)
+        if w_ptr.dtype.element_ty == tl.float32:
+            acc = tl.dot(xf, wT, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xk.to(wT.dtype), wT, acc)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
             wT = tl.load(w_ptr + offs_n[None, :] * stride_w + offs_k[:, None],
@@ -63,23 +115,38 @@ def _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K,
             xk = tl.load(x_ptr + offs_b[:, None] * stride_x + offs_k[None, :],
                          mask=mask_b[:, None] & mask_k[None, :], other=0.0,
                          eviction_policy="evict_last")  # (B_PAD, BLOCK_K)
+            if NORM:
+                xf = xk.to(tl.float32)
+                ss += tl.sum(xf * xf, axis=1)
             if w_ptr.dtype.element_ty == tl.float32:
                 acc = tl.dot(xk.to(tl.float32), wT, acc, input_precision="ieee")
             else:
                 acc = tl.dot(xk.to(wT.dtype), wT, acc)
+        if NORM:
+            acc = acc / tl.sqrt(ss / K + eps)[:, None]
     return acc
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, B, N, K, stride_x, stride_w, stride_y,
-                 B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # grid (cdiv(N, BLOCK_N),): y[b, n] = sum_k x[b, k] w[n, k], stored in y's dtype
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, keep_ptr, B, N, K, stride_x, stride_w, stride_y, stride_keep, eps,
+                 B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, KEEP: tl.constexpr, PDL: tl.constexpr):
+    # grid (cdiv(N, BLOCK_N),): y[b, n] (+)= sum_k x[b, k] w[n, k] (RESIDUAL: added to y in place), y's dtype;
+    # KEEP: y[b, n] *= keep[b, n] (PARSE: the rank components row b does not use are zeroed)
+    if PDL:
+        gdc_launch_dependents()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    acc = _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, B_PAD, BLOCK_N, BLOCK_K)
+    acc = _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, eps, B_PAD, BLOCK_N, BLOCK_K,
+                     NORM, PDL)
     offs_b = tl.arange(0, B_PAD)
-    tl.store(y_ptr + offs_b[:, None] * stride_y + offs_n[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=(offs_b[:, None] < B) & mask_n[None, :])
+    y_ptrs = y_ptr + offs_b[:, None] * stride_y + offs_n[None, :]
+    mask = (offs_b[:, None] < B) & mask_n[None, :]
+    if KEEP:
+        acc *= tl.load(keep_ptr + offs_b[:, None] * stride_keep + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    if RESIDUAL:  # each element is owned by one program: the in-place add is race free
+        acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def pad_rows(B: int) -> int:
@@ -102,38 +169,62 @@ def gemv_config(B: int, N: int, on_gpu: bool) -> tuple[int, int, int, int]:
     return (16, 512, 4, 4) if N < 4096 else (32, 256, 4, 2)  # few rows: fewer, deeper programs
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, norm_eps: float | None = None,
+         residual: bool = False, keep: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """y = x @ wᵀ for a few rows of x, fp32 accumulation.
 
     x: (B, K) bf16/fp16/fp32, unit stride along K. w: (N, K) row-major, unit stride along K.
     out: optional (B, N) buffer, any float dtype (fp32 for a scratch t); default x.dtype.
-    Returns out. No host sync, no allocation when out is given (CUDA-graph capturable).
+    norm_eps: RMS-normalize each row of x first (y = (x / rms(x)) @ wᵀ; fold the norm weight into w's columns).
+    residual: out += x @ wᵀ in place (out required). keep: optional (B, N) 0/1 multiplier of the result,
+    unit stride on N (PARSE: the components each row does not use). pdl: launch with programmatic dependent launch (Hopper+,
+    CUDA only). Returns out. No host sync, no allocation when out is given (CUDA-graph capturable).
     """
     B, K = x.shape
     N = w.shape[0]
     assert w.shape[1] == K and x.stride(1) == 1 and w.stride(1) == 1, "gemv wants x (B, K), w (N, K), unit stride on K"
+    assert out is not None or not residual, "residual=True adds into out: pass it"
     if out is None:
         out = torch.empty(B, N, device=x.device, dtype=x.dtype)
     BLOCK_N, BLOCK_K, num_warps, num_stages = gemv_config(B, N, x.is_cuda)
+    if keep is not None:
+        assert keep.shape == (B, N) and keep.stride(1) == 1, "keep wants (B, N), unit stride on N"
+    kp = keep if keep is not None else out  # dummy pointer when unused
     _gemv_kernel[(triton.cdiv(N, BLOCK_N),)](
-        x, w, out, B, N, K, x.stride(0), w.stride(0), out.stride(0),
-        B_PAD=pad_rows(B), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=num_stages)
+        x, w, out, kp, B, N, K, x.stride(0), w.stride(0), out.stride(0), kp.stride(0), float(norm_eps or 0.0),
+        B_PAD=pad_rows(B), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NORM=norm_eps is not None, RESIDUAL=residual,
+        KEEP=keep is not None, PDL=pdl, num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl))
     return out
 
 
+def launch_opts(pdl: bool) -> dict:
+    """Extra launch keywords: programmatic dependent launch only when asked (never under the interpreter)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch needs a Hopper-or-newer GPU and a triton that exposes griddepcontrol."""
+    return HAVE_PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def lowrank_linear(x: torch.Tensor, V: torch.Tensor, U: torch.Tensor, *,
-                   out: torch.Tensor | None = None, t: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, t: torch.Tensor | None = None, residual: bool = False,
+                   keep: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """y = U (V x) for each row of x: the canonical factorization W (out, in) ~ U (out, r) @ V (r, in).
 
     x: (B, in), B <= 8 (decode rows), bf16 (GPU) or fp32; V: (r, in) and U: (out, r) row-major, x.dtype.
     t: optional fp32 (B, r) scratch for V x (kept in fp32 so the rank-space activation is not rounded).
-    out: optional (B, out) buffer, x.dtype. Two launches, no host sync; no allocation when out and t are given.
+    out: optional (B, out) buffer, x.dtype; residual: out += U (V x) in place (the decoder's residual stream).
+    keep: optional (B, r) 0/1 mask of each row's rank components (PARSE), applied to V x.
+    Two launches, no host sync; no allocation when out and t are given.
     """
     B = x.shape[0]
     if t is None:
         t = torch.empty(B, V.shape[0], device=x.device, dtype=torch.float32)
-    gemv(x, V, out=t)  # (B, r) fp32
-    return gemv(t, U, out=out if out is not None else torch.empty(B, U.shape[0], device=x.device, dtype=x.dtype))
+    gemv(x, V, out=t, keep=keep, pdl=pdl)  # (B, r) fp32
+    if out is None:
+        out = torch.empty(B, U.shape[0], device=x.device, dtype=x.dtype)
+    return gemv(t, U, out=out, residual=residual, pdl=pdl)
 
 
 def lowrank_linear_ref(x: torch.Tensor, V: torch.Tensor, U: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rankserve.kernels.lowrank_linear import _gemv_tile, gemv, gemv_config, pad_rows
+from rankserve.kernels.lowrank_linear import _gemv_tile, gdc_launch_dependents, gemv, gemv_config, launch_opts, pad_rows
 
 
 @triton.jit
@@ -24,8 +24,10 @@ def _qkv_u_rope_kernel(t_ptr, Uq_ptr, Uk_ptr, Uv_ptr, cos_ptr, sin_ptr, cache_se
                        B, rq, rk, rv, stride_t, stride_uq, stride_uk, stride_uv, stride_cos,
                        stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                        H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
-                       B_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
+                       B_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # grid (H + 2 * HKV, cdiv(HALF, BLOCK_D)); program = rows (d, d + HALF) of one q, k or v head
+    if PDL:
+        gdc_launch_dependents()
     pid_h = tl.program_id(0)
     is_q = pid_h < H
     is_k = (pid_h >= H) & (pid_h < H + HKV)
@@ -44,10 +46,10 @@ def _qkv_u_rope_kernel(t_ptr, Uq_ptr, Uk_ptr, Uv_ptr, cos_ptr, sin_ptr, cache_se
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # (BLOCK_D,) in [0, HALF)
     mask_d = offs_d < HALF
     rows = head * (2 * HALF) + offs_d  # rows of U for the first half of the head
-    y1 = _gemv_tile(t_ptr + t_off, stride_t, U_ptr, stride_u, rows, mask_d, B, r,
-                    B_PAD, BLOCK_D, BLOCK_K)  # (B_PAD, BLOCK_D) fp32, dims d
-    y2 = _gemv_tile(t_ptr + t_off, stride_t, U_ptr, stride_u, rows + HALF, mask_d, B, r,
-                    B_PAD, BLOCK_D, BLOCK_K)  # (B_PAD, BLOCK_D) fp32, dims d + HALF
+    y1 = _gemv_tile(t_ptr + t_off, stride_t, U_ptr, stride_u, rows, mask_d, B, r, 0.0,
+                    B_PAD, BLOCK_D, BLOCK_K, False, PDL)  # (B_PAD, BLOCK_D) fp32, dims d
+    y2 = _gemv_tile(t_ptr + t_off, stride_t, U_ptr, stride_u, rows + HALF, mask_d, B, r, 0.0,
+                    B_PAD, BLOCK_D, BLOCK_K, False, False)  # (B_PAD, BLOCK_D) fp32, dims d + HALF
 
     offs_b = tl.arange(0, B_PAD)
     mask_b = offs_b < B
@@ -79,7 +81,8 @@ def _qkv_u_rope_kernel(t_ptr, Uq_ptr, Uk_ptr, Uv_ptr, cos_ptr, sin_ptr, cache_se
 def qkv_rope(x: torch.Tensor, Vqkv: torch.Tensor, Uq: torch.Tensor, Uk: torch.Tensor, Uv: torch.Tensor,
              cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              cache_seqlens: torch.Tensor, *, q_out: torch.Tensor | None = None,
-             t: torch.Tensor | None = None) -> torch.Tensor:
+             t: torch.Tensor | None = None, norm_eps: float | None = None, keep: torch.Tensor | None = None,
+             pdl: bool = False) -> torch.Tensor:
     """q of the current token, with k and v appended to the cache; all projections low-rank.
 
     x: (B, hidden) already RMS-normed, bf16 (GPU) or fp32. Vqkv: (rq + rk + rv, hidden), the q, k, v input
@@ -88,6 +91,9 @@ def qkv_rope(x: torch.Tensor, Vqkv: torch.Tensor, Uq: torch.Tensor, Uk: torch.Te
     k_cache, v_cache: (B, S_max, H_kv, D) (flash-attn layout, unit stride on D), written in place at
     [b, cache_seqlens[b]]. cache_seqlens: (B,) int32 on device, read only (the caller advances it).
     q_out: optional (B, H, D) x.dtype; t: optional (B, rq + rk + rv) fp32 scratch.
+    norm_eps: x is the raw residual stream; RMS-normalize it inside the first GEMV (the norm weight folded into
+    Vqkv's columns by the caller). keep: optional (B, rq + rk + rv) 0/1 mask of each row's rank components
+    (PARSE). pdl: programmatic dependent launch (Hopper+).
     Returns q (B, H, D), RoPE applied. Two launches, no host sync.
     """
     B = x.shape[0]
@@ -101,7 +107,7 @@ def qkv_rope(x: torch.Tensor, Vqkv: torch.Tensor, Uq: torch.Tensor, Uk: torch.Te
         t = torch.empty(B, rq + rk + rv, device=x.device, dtype=torch.float32)
     if q_out is None:
         q_out = torch.empty(B, H, D, device=x.device, dtype=x.dtype)
-    gemv(x, Vqkv, out=t)  # (B, rq + rk + rv) fp32
+    gemv(x, Vqkv, out=t, norm_eps=norm_eps, keep=keep, pdl=pdl)  # (B, rq + rk + rv) fp32
     HALF = D // 2
     BLOCK_N, BLOCK_K, num_warps, num_stages = gemv_config(B, (H + 2 * HKV) * D, x.is_cuda)
     BLOCK_D = max(min(BLOCK_N, triton.next_power_of_2(HALF)), 1 if B == 1 else 16)  # tl.dot wants >= 16
@@ -110,8 +116,8 @@ def qkv_rope(x: torch.Tensor, Vqkv: torch.Tensor, Uq: torch.Tensor, Uk: torch.Te
         B, rq, rk, rv, t.stride(0), Uq.stride(0), Uk.stride(0), Uv.stride(0), cos.stride(0),
         q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        H=H, HKV=HKV, HALF=HALF, B_PAD=pad_rows(B), BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K,
-        num_warps=num_warps, num_stages=num_stages)
+        H=H, HKV=HKV, HALF=HALF, B_PAD=pad_rows(B), BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K, PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl))
     return q_out
 
 

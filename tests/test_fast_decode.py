@@ -50,16 +50,21 @@ def _eager_logits(model, prompt, steps_tokens):
     return out
 
 
-@pytest.mark.parametrize("backend,gemv", [("torch", "auto"), ("triton", "triton"), ("triton", "cublas")])
+@pytest.mark.parametrize("backend,gemv,fuse", [("torch", "auto", True), ("triton", "triton", True),
+                                               ("triton", "triton", False), ("triton", "cublas", True)])
 @pytest.mark.parametrize("kind", ["uneven", "shared", "mixed"])
-def test_steps_match_eager(kind, backend, gemv):
+def test_steps_match_eager(kind, backend, gemv, fuse):
     model = _model(kind)
     B, P, n = 2, 6, 5
     prompt = torch.randint(0, CFG.vocab_size, (B, P))
     steps = [torch.randint(0, CFG.vocab_size, (B,)) for _ in range(n)]
     with torch.no_grad():
         ref = _eager_logits(model, prompt, steps)
-        dec = FastDecoder(model, DecodeConfig(batch_size=B, max_seq_len=40, backend=backend, graph="none", gemv=gemv))
+        dec = FastDecoder(model, DecodeConfig(batch_size=B, max_seq_len=40, backend=backend, graph="none", gemv=gemv,
+                                              fuse_norm=fuse))
+        # the fused path (norms inside the GEMVs, residual adds in epilogues) runs exactly where it should
+        assert [l.folded for l in dec.layers] == [fuse and backend == "triton" and gemv == "triton" and l.factorized
+                                                  for l in dec.layers]
         got = [dec.prefill(prompt)]
         for t in steps:
             got.append(dec.step(t).clone())

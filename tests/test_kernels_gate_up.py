@@ -23,3 +23,21 @@ def test_gate_up(B, hidden, rg, ru, inter, dtype):
     gate_up(x, Vgu, Ug, Uu, out=h, t=t)
     what = f"gate_up B={B} hidden={hidden} rg={rg} ru={ru} inter={inter} {dtype} seed={seed}"
     assert_close(h, gate_up_ref(*to64(x, Vgu, Ug, Uu)), gate_up_ref(x, Vgu, Ug, Uu), what)
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_gate_up_fused_rmsnorm(B):
+    """norm_eps: x is the raw residual; the RMSNorm (weight folded into Vgu) happens inside the first GEMV."""
+    seed = fresh_seed()
+    dtype, eps = DTYPES[0], 1e-6
+    x = randn(B, 64, dtype=dtype, scale=4.0)
+    g = (1 + 0.2 * randn(64, dtype=torch.float32)).to(dtype)
+    Vgu = randn(40, 64, dtype=dtype, scale=64 ** -0.5)
+    Ug, Uu = randn(90, 18, dtype=dtype, scale=18 ** -0.5), randn(90, 22, dtype=dtype, scale=22 ** -0.5)
+    h = nan_like((B, 90), dtype)
+    gate_up(x, (Vgu.float() * g.float()).to(dtype), Ug, Uu, out=h, norm_eps=eps)
+    x64 = x.double()
+    xn = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * g.double()
+    xn_base = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps) * g.float()).to(dtype)
+    assert_close(h, gate_up_ref(xn, *to64(Vgu, Ug, Uu)), gate_up_ref(xn_base, Vgu, Ug, Uu),
+                 f"gate_up norm B={B} seed={seed}")

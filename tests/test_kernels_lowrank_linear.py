@@ -34,3 +34,46 @@ def test_gemv_strided_x_and_default_out(B):
     y = gemv(xs, w)
     assert y.dtype == dtype and y.device.type == DEVICE
     assert_close(y, xs.double() @ w.double().T, xs @ w.T, f"gemv strided B={B} seed={seed}")
+
+
+def _rms64(x: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("K, N", [(96, 40), (300, 77)])
+def test_gemv_fused_rmsnorm(B, K, N, dtype):
+    """norm_eps: y = rmsnorm(x) @ (w * g)ᵀ with the norm weight g folded into w's columns by the caller."""
+    seed = fresh_seed()
+    eps = 1e-5
+    x = randn(B, K, dtype=dtype, scale=3.0)  # a residual stream: not unit scale
+    w = randn(N, K, dtype=dtype, scale=K ** -0.5)
+    g = (1 + 0.1 * randn(K, dtype=torch.float32)).to(dtype)
+    wg = (w.float() * g.float()).to(dtype)
+    y = nan_like((B, N), torch.float32)
+    gemv(x, wg, out=y, norm_eps=eps)
+    base = ((x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(dtype) @ wg.T).float()
+    assert_close(y, _rms64(x, eps) @ wg.double().T, base, f"gemv norm B={B} K={K} N={N} {dtype} seed={seed}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B", [1, 4])
+def test_lowrank_linear_residual_adds_in_place(B, dtype):
+    seed = fresh_seed()
+    x = randn(B, 80, dtype=dtype)
+    V, U = randn(23, 80, dtype=dtype, scale=80 ** -0.5), randn(64, 23, dtype=dtype, scale=23 ** -0.5)
+    res = randn(B, 64, dtype=dtype)
+    ref = res.double() + lowrank_linear_ref(*to64(x, V, U))
+    base = res + lowrank_linear_ref(x, V, U)
+    out = res.clone()
+    got = lowrank_linear(x, V, U, out=out, residual=True)
+    assert got.data_ptr() == out.data_ptr()
+    assert_close(out, ref, base, f"lowrank_linear residual B={B} {dtype} seed={seed}")
+
+
+def test_residual_needs_out():
+    x = randn(1, 8, dtype=DTYPES[0])
+    with pytest.raises(AssertionError, match="residual"):
+        gemv(x, randn(4, 8, dtype=DTYPES[0]), residual=True)

@@ -47,3 +47,28 @@ def test_qkv_rope(B, hidden, H, H_kv, D, rq, rk, rv, S_max, dtype):
     assert torch.equal(k_cache[untouched], k0[untouched]) and torch.equal(v_cache[untouched], v0[untouched]), \
         what + ": wrote outside [b, cache_seqlens[b]]"
     assert torch.equal(cache_seqlens[-1:].cpu(), torch.tensor([S_max - 1], dtype=torch.int32)), "cache_seqlens changed"
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_qkv_rope_fused_rmsnorm(B):
+    """norm_eps: x is the raw residual, RMS-normalized inside the first GEMV (norm weight folded into Vqkv)."""
+    seed = fresh_seed()
+    dtype, eps, hidden, H, H_kv, D, S_max = DTYPES[0], 1e-5, 64, 4, 2, 16, 10
+    x = randn(B, hidden, dtype=dtype, scale=5.0)
+    g = (1 + 0.2 * randn(hidden, dtype=torch.float32)).to(dtype)
+    Vqkv = randn(50, hidden, dtype=dtype, scale=hidden ** -0.5)
+    Uq, Uk, Uv = (randn(n * D, 50 // 3 + (i == 0) * 2, dtype=dtype) for i, n in enumerate((H, H_kv, H_kv)))
+    cos, sin = rope_tables(S_max, D)
+    seqlens = torch.randint(0, S_max, (B,), dtype=torch.int32, device=DEVICE)
+    kc, vc = randn(B, S_max, H_kv, D, dtype=dtype), randn(B, S_max, H_kv, D, dtype=dtype)
+    k64, v64, kb, vb = *to64(kc, vc), kc.clone(), vc.clone()
+    q = nan_like((B, H, D), dtype)
+    qkv_rope(x, (Vqkv.float() * g.float()).to(dtype), Uq, Uk, Uv, cos, sin, kc, vc, seqlens, q_out=q, norm_eps=eps)
+    x64 = x.double()
+    xn = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * g.double()
+    xb = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps) * g.float()).to(dtype)
+    q64 = qkv_rope_ref(xn, *to64(Vqkv, Uq, Uk, Uv, cos, sin), k64, v64, seqlens)
+    qb = qkv_rope_ref(xb, Vqkv, Uq, Uk, Uv, cos, sin, kb, vb, seqlens)
+    assert_close(q, q64, qb, f"qkv_rope norm B={B} seed={seed} (q)")
+    rows, pos = torch.arange(B, device=DEVICE), seqlens.long()
+    assert_close(kc[rows, pos], k64[rows, pos], kb[rows, pos], f"qkv_rope norm B={B} seed={seed} (k)")

@@ -1,9 +1,12 @@
 """The thin decode path: packed factors, static buffers, Triton kernels, CUDA-graph replay.
 
-Per layer and token (B rows, all projections factorized):
-    rmsnorm(+residual) → Vqkv x (one GEMV) → Uq/Uk/Uv + RoPE on the current token + K/V written into the
-    dense cache → split-K decode attention → o: Uo (Vo a) → rmsnorm(+residual) → Vgu x (one GEMV) →
-    Ug/Uu + SiLU·mul → down: Ud (Vd h)
+Per layer and token (B rows, all projections factorized), ten kernels:
+    Vqkv·norm(x) (one GEMV; the RMSNorm rides in it, its weight folded into Vqkv) → Uq/Uk/Uv + RoPE on the
+    current token + K/V written into the dense cache → split-K decode attention (2) → o: x += Uo (Vo a)
+    (residual add in the epilogue) → Vgu·norm(x) → Ug/Uu + SiLU·mul → down: x += Ud (Vd h)
+and the LM head is one more GEMV with the final norm folded in, writing fp32 logits. On Hopper every kernel is
+launched with programmatic dependent launch (`pdl`), so each one's launch and first weight loads overlap the
+previous kernel's tail. `fuse_norm=False` keeps separate RMSNorm(+residual) kernels (twelve a layer).
 A layer with a dense projection runs the same step with torch ops (`backend="torch"` does so everywhere).
 
 Packing is derived at load time (never stored); a Basis Sharing basis is packed once per group per layer
@@ -32,8 +35,12 @@ class DecodeConfig:
     graph: str = "step"  # "none" | "layer" (one CUDA graph per layer) | "step" (one graph for the whole step)
     num_splits: int = 0  # split-K factor of decode attention; 0 = from the cache length
     gemv: str = "auto"  # "triton" (fused GEMV kernels) | "cublas" (torch.mm) | "auto" (= triton, the measured winner)
+    fuse_norm: bool = True  # Triton GEMVs: RMSNorm folded into the next GEMV, residual adds in the o/down epilogues
+    pdl: str = "auto"  # programmatic dependent launch: "auto" (= on for Hopper+ and a triton that has it) | "on" | "off"
 
     def __post_init__(self) -> None:
+        if self.pdl not in ("auto", "on", "off"):
+            raise ValueError(f"pdl must be 'auto', 'on' or 'off', got {self.pdl!r}")
         if self.gemv not in ("auto", "triton", "cublas"):
             raise ValueError(f"gemv must be 'auto', 'triton' or 'cublas', got {self.gemv!r}")
         if self.backend not in ("triton", "torch"):
@@ -42,18 +49,30 @@ class DecodeConfig:
             raise ValueError(f"graph must be 'none', 'layer' or 'step', got {self.graph!r}")
 
 
-class _Layer:
-    """One decoder layer's weights in decode layout."""
+def _masked(t: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """t (B, r) with the rank components each row does not use zeroed (PARSE); t itself without a mask."""
+    return t if keep is None else t * keep
 
-    def __init__(self, blk, cfg) -> None:
+
+class _Layer:
+    """One decoder layer's weights in decode layout.
+
+    fold: store the packed input factors with the preceding RMSNorm's weight folded into their columns
+    (Vqkv * attn_norm, Vgu * mlp_norm), for the fused-norm GEMVs; only for fully factorized layers.
+    """
+
+    def __init__(self, blk, cfg, fold: bool = False) -> None:
         a, m = blk.attn, blk.mlp
         self.attn_norm, self.mlp_norm = blk.attn_norm.weight, blk.mlp_norm.weight
         projs = {p: getattr(a if p in ATTN_PROJS else m, p) for p in ("q", "k", "v", "o", "gate", "up", "down")}
         self.factorized = all(l.factorized for l in projs.values())
+        self.folded = fold and self.factorized
         self.proj = projs
         qkv = [projs[p] for p in ("q", "k", "v")]
         if all(l.factorized for l in qkv):  # one GEMV for the three input factors, then per-projection U
             self.Vqkv = torch.cat([l.V for l in qkv]).contiguous()  # (rq + rk + rv, hidden)
+            if self.folded:
+                self.Vqkv = (self.Vqkv.float() * self.attn_norm.float()).to(self.Vqkv.dtype)
             self.qkv_split = [l.rank for l in qkv]
             self.Uq, self.Uk, self.Uv = (l.U.contiguous() for l in qkv)
         else:
@@ -61,10 +80,32 @@ class _Layer:
         gu = [projs["gate"], projs["up"]]
         if all(l.factorized for l in gu):
             self.Vgu = torch.cat([l.V for l in gu]).contiguous()  # (rg + ru, hidden)
+            if self.folded:
+                self.Vgu = (self.Vgu.float() * self.mlp_norm.float()).to(self.Vgu.dtype)
             self.gu_split = [l.rank for l in gu]
             self.Ug, self.Uu = gu[0].U.contiguous(), gu[1].U.contiguous()
         else:
             self.Wgu = torch.cat([l.dense_weight() for l in gu]).contiguous()  # (2 inter, hidden)
+        # PARSE (workers/parse_decode.py): optional (B, r) 0/1 masks of each row's rank components, applied to
+        # the V-stage outputs; None = every component
+        self.keep_qkv: torch.Tensor | None = None
+        self.keep_gu: torch.Tensor | None = None
+        self.keep_o: torch.Tensor | None = None
+        self.keep_down: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Re-pack the concatenated input factors in place after the projections' factors changed (PARSE slots).
+        U factors and the o/down factors are the projections' own tensors, so they need nothing."""
+        for packed, names, norm in (("Vqkv", ("q", "k", "v"), self.attn_norm), ("Vgu", ("gate", "up"), self.mlp_norm)):
+            if hasattr(self, packed):
+                buf = getattr(self, packed)
+                torch.cat([self.proj[p].V for p in names], out=buf)
+                if self.folded:
+                    buf.mul_(norm)
+        for p in ("q", "k", "v", "gate", "up"):
+            if self.proj[p].factorized:
+                assert self.proj[p].U.is_contiguous(), "refresh expects contiguous U factors (shared, not copied)"
 
 
 class FastDecoder:
@@ -85,6 +126,8 @@ class FastDecoder:
         # measured on the H200 (bench/results/kernels-h200.json, decode.md): the Triton kernels beat cuBLAS GEMVs
         # for B = 1..8 (B > 1 pads rows to 16 for tensor cores), and the fused step is 1.8x faster at B = 1
         self.gemv = "triton" if dcfg.gemv == "auto" else dcfg.gemv
+        self.fuse = self.use_triton and self.gemv == "triton" and dcfg.fuse_norm
+        self.pdl = False
         if self.use_triton:  # imported lazily: the torch backend must work without triton
             from rankserve.kernels import decode_attention as _attn
             from rankserve.kernels import gate_up as _gu
@@ -92,14 +135,21 @@ class FastDecoder:
             from rankserve.kernels import qkv_rope as _qkv
             from rankserve.kernels import rmsnorm as _rms
             self._k = dict(attn=_attn, gu=_gu, ll=_ll, qkv=_qkv, rms=_rms)
+            if dcfg.pdl == "on" and not _ll.pdl_supported(dev):
+                raise ValueError("pdl='on' needs a Hopper-or-newer GPU and a triton with griddepcontrol")
+            self.pdl = dcfg.pdl == "on" or (dcfg.pdl == "auto" and _ll.pdl_supported(dev))
             self.num_splits = dcfg.num_splits or _attn.default_num_splits(dcfg.max_seq_len, B, cfg.num_key_value_heads)
-        self.layers = packed or [_Layer(blk, cfg) for blk in model.layers]  # packed copies may be shared
+        if packed is not None and any(l.folded != (self.fuse and l.factorized) for l in packed):
+            raise ValueError("the packed layers were built for another fuse_norm setting")
+        self.layers = packed or [_Layer(blk, cfg, fold=self.fuse) for blk in model.layers]  # may be shared
         self.cache = KVCache(cfg.num_hidden_layers, B, dcfg.max_seq_len, cfg.num_key_value_heads, cfg.head_dim,
                              device=dev, dtype=dt)
         half = cfg.head_dim // 2
         self.cos = model.rope_cos[:dcfg.max_seq_len, :half].contiguous()  # (S_max, D/2) fp32
         self.sin = model.rope_sin[:dcfg.max_seq_len, :half].contiguous()
         self.head = model.head_weight()
+        if self.fuse:  # the final RMSNorm's weight folded into the head's columns (a copy of the head)
+            self.head_n = (self.head.float() * model.norm.weight.float()).to(self.head.dtype).contiguous()
         H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         z = lambda *s, dtype=dt: torch.zeros(*s, device=dev, dtype=dtype)  # noqa: E731
         self.tokens = z(B, dtype=torch.long)  # static input
@@ -142,6 +192,7 @@ class FastDecoder:
 
     def _step_body(self) -> None:
         self._embed()
+        self._pending = False  # True while the last sub-layer's output sits in self.y, not yet added to x
         for i in range(len(self.layers)):
             self._layer(i)
         self._finish()
@@ -150,8 +201,12 @@ class FastDecoder:
         torch.index_select(self.model.embed.weight, 0, self.tokens, out=self.x)
 
     def _finish(self) -> None:
-        self._norm(self.x, self.model.norm.weight, self.h, residual=None)
-        self.logits.copy_(self.h @ self.head.t())  # (B, V)
+        if self.fuse and not self._pending:  # one GEMV: final norm (folded into head_n) + head, fp32 logits
+            self._k["ll"].gemv(self.x, self.head_n, out=self.logits, norm_eps=self.cfg.rms_norm_eps, pdl=self.pdl)
+        else:
+            self._norm(self.y if self._pending else self.x, self.model.norm.weight, self.h,
+                       residual=self.x if self._pending else None)
+            self.logits.copy_(self.h @ self.head.t())  # (B, V)
         self.cache.seqlens += 1  # every row advanced by one token
 
     def _norm(self, x, w, out, residual) -> None:
@@ -166,15 +221,45 @@ class FastDecoder:
         out.copy_(w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype))
 
     def _layer(self, i: int) -> None:
+        L = self.layers[i]
+        if L.folded:
+            if self._pending:  # the previous (unfused) layer left its MLP output in y
+                self.x += self.y
+            self._layer_fused(i)
+            self._pending = False
+        else:
+            self._layer_unfused(i)
+            self._pending = True
+
+    def _layer_fused(self, i: int) -> None:
+        """Ten kernels: norms inside the V GEMVs, residual adds in the o/down epilogues; x is the residual stream."""
+        L, B, eps, pdl = self.layers[i], self.dcfg.batch_size, self.cfg.rms_norm_eps, self.pdl
+        kc, vc = self.cache.k[i], self.cache.v[i]  # (B, S_max, H_kv, D)
+        k = self._k
+        k["qkv"].qkv_rope(self.x, L.Vqkv, L.Uq, L.Uk, L.Uv, self.cos, self.sin, kc, vc, self.cache.seqlens,
+                          q_out=self.q, t=self.t[:, :sum(L.qkv_split)], norm_eps=eps, keep=L.keep_qkv, pdl=pdl)
+        k["attn"].decode_attention(self.q, kc, vc, self.cache.seqlens, num_splits=self.num_splits, out=self.a,
+                                   mid_o=self.mid_o, mid_lse=self.mid_lse, pdl=pdl)
+        o = L.proj["o"]
+        k["ll"].lowrank_linear(self.a.view(B, -1), o.V, o.U, out=self.x, t=self.t[:, :o.rank], residual=True,
+                               keep=L.keep_o, pdl=pdl)
+        k["gu"].gate_up(self.x, L.Vgu, L.Ug, L.Uu, out=self.m, t=self.t[:, :sum(L.gu_split)], norm_eps=eps,
+                        keep=L.keep_gu, pdl=pdl)
+        d = L.proj["down"]
+        k["ll"].lowrank_linear(self.m, d.V, d.U, out=self.x, t=self.t[:, :d.rank], residual=True, keep=L.keep_down,
+                               pdl=pdl)
+
+    def _layer_unfused(self, i: int) -> None:
         L, B = self.layers[i], self.dcfg.batch_size
         kc, vc = self.cache.k[i], self.cache.v[i]  # (B, S_max, H_kv, D)
         seqlens = self.cache.seqlens
         fused = self.use_triton and L.factorized and self.gemv == "triton"  # Triton GEMVs with fused epilogues
-        # attention: the first layer normalizes the embedding; later ones add the previous MLP output first
-        self._norm(self.x if i == 0 else self.y, L.attn_norm, self.h, residual=None if i == 0 else self.x)
+        # attention: normalize x, or first add the previous sub-layer's pending output into it
+        self._norm(self.y if self._pending else self.x, L.attn_norm, self.h,
+                   residual=self.x if self._pending else None)
         if fused:
             self._k["qkv"].qkv_rope(self.h, L.Vqkv, L.Uq, L.Uk, L.Uv, self.cos, self.sin, kc, vc, seqlens,
-                                    q_out=self.q, t=self.t[:, :sum(L.qkv_split)])
+                                    q_out=self.q, t=self.t[:, :sum(L.qkv_split)], keep=L.keep_qkv)
         else:
             self._qkv_torch(L, kc, vc, seqlens)
         if self.use_triton:
@@ -182,27 +267,26 @@ class FastDecoder:
                                              mid_o=self.mid_o, mid_lse=self.mid_lse)
         else:
             self._attention_torch(kc, vc, seqlens)
-        self._linear(L.proj["o"], self.a.view(B, -1), self.y, fused)
+        self._linear(L.proj["o"], self.a.view(B, -1), self.y, fused, L.keep_o)
         # MLP
         self._norm(self.y, L.mlp_norm, self.h, residual=self.x)
         if fused:
-            self._k["gu"].gate_up(self.h, L.Vgu, L.Ug, L.Uu, out=self.m, t=self.t[:, :sum(L.gu_split)])
+            self._k["gu"].gate_up(self.h, L.Vgu, L.Ug, L.Uu, out=self.m, t=self.t[:, :sum(L.gu_split)],
+                                  keep=L.keep_gu)
         else:
             if hasattr(L, "Vgu"):
-                tg, tu = (self.h @ L.Vgu.t()).split(L.gu_split, dim=-1)
+                tg, tu = _masked(self.h @ L.Vgu.t(), L.keep_gu).split(L.gu_split, dim=-1)
                 g, u = tg @ L.Ug.t(), tu @ L.Uu.t()
             else:
                 g, u = (self.h @ L.Wgu.t()).chunk(2, dim=-1)
             torch.mul(F.silu(g), u, out=self.m)
-        self._linear(L.proj["down"], self.m, self.y, fused)
-        if i == len(self.layers) - 1:
-            self.x += self.y  # the last layer's MLP output joins the residual here
+        self._linear(L.proj["down"], self.m, self.y, fused, L.keep_down)
 
-    def _linear(self, lin, x: torch.Tensor, out: torch.Tensor, fused: bool) -> None:
+    def _linear(self, lin, x: torch.Tensor, out: torch.Tensor, fused: bool, keep: torch.Tensor | None) -> None:
         if fused:
-            self._k["ll"].lowrank_linear(x, lin.V, lin.U, out=out, t=self.t[:, :lin.rank])
+            self._k["ll"].lowrank_linear(x, lin.V, lin.U, out=out, t=self.t[:, :lin.rank], keep=keep)
         elif lin.factorized:
-            torch.mm(x @ lin.V.t(), lin.U.t(), out=out)  # cuBLAS, rank vector in the activation dtype
+            torch.mm(_masked(x @ lin.V.t(), keep), lin.U.t(), out=out)  # cuBLAS, rank vector in the activation dtype
         else:
             torch.mm(x, lin.weight.t(), out=out)
 
@@ -211,7 +295,7 @@ class FastDecoder:
         cfg, B = self.cfg, self.dcfg.batch_size
         H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         if hasattr(L, "Vqkv"):
-            tq, tk, tv = (self.h @ L.Vqkv.t()).split(L.qkv_split, dim=-1)
+            tq, tk, tv = _masked(self.h @ L.Vqkv.t(), L.keep_qkv).split(L.qkv_split, dim=-1)
             q, k, v = tq @ L.Uq.t(), tk @ L.Uk.t(), tv @ L.Uv.t()
         else:
             q, k, v = (self.h @ L.Wqkv.t()).split([H * D, Hkv * D, Hkv * D], dim=-1)
@@ -248,6 +332,7 @@ class FastDecoder:
         torch.cuda.current_stream().wait_stream(stream)
         self.cache.seqlens.copy_(saved)  # the warm-up steps wrote one scratch token each; rewind
         pool = torch.cuda.graph_pool_handle()
+        self._pending = False  # per-layer capture walks the same sequence as _step_body
         parts = [self._step_body] if self.dcfg.graph == "step" else (
             [self._embed] + [lambda i=i: self._layer(i) for i in range(len(self.layers))] + [self._finish])
         graphs = []

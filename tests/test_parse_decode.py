@@ -1,0 +1,92 @@
+"""PARSE on the fast decode path: rank slots + keep masks equal the eager masked pool model, step by step.
+
+Run alone: .venv/bin/python -m pytest tests/test_parse_decode.py -q   (CPU: Triton under the interpreter)
+"""
+
+import pytest
+import torch
+
+from rankserve.workers.config import ModelConfig
+from rankserve.workers.fast_decode import DecodeConfig
+from rankserve.workers.kv_cache import KVCache
+from rankserve.workers.model import PROJS, Transformer, proj_name
+from rankserve.workers.parse import Routers, apply, clear
+from rankserve.workers.parse_decode import ParseSlots, slot_widths
+
+CFG = ModelConfig(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+R_MAX = {"q": 20, "k": 12, "v": 14, "o": 22, "gate": 26, "up": 18, "down": 24}  # uneven, Dobi-like
+
+
+def _pool() -> tuple[Transformer, Routers]:
+    torch.manual_seed(0)
+    ranks = {proj_name(i, p): R_MAX[p] for i in range(CFG.num_hidden_layers) for p in PROJS}
+    m = Transformer(CFG, ranks)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    r_max = dict(ranks)
+    k = {n: r // 2 for n, r in r_max.items()}
+    return m.eval(), Routers(R={}, b={}, k=k, r_max=r_max, head={}, perm={})
+
+
+def _subset(routers: Routers, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"v": 1, "k": {n: sorted(torch.randperm(routers.r_max[n], generator=g)[:k].tolist())
+                          for n, k in routers.k.items()}}
+
+
+def test_slot_widths():
+    _, routers = _pool()
+    assert slot_widths(routers, 1) == routers.k
+    assert slot_widths(routers, 4) == routers.r_max  # B K >= r_max: the whole pool
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("B", [1, 3])
+def test_slots_match_masked_eager_pool(B, backend):
+    pool, routers = _pool()
+    subsets = [_subset(routers, s) for s in range(B)]
+    prompt = torch.randint(0, CFG.vocab_size, (B, 5))
+    steps = [torch.randint(0, CFG.vocab_size, (B,)) for _ in range(4)]
+    with torch.no_grad():
+        apply(pool, subsets)  # the eager reference: every row masks its own components of the r_max pool
+        cache = KVCache(CFG.num_hidden_layers, B, 32, CFG.num_key_value_heads, CFG.head_dim)
+        ref = [pool(prompt, cache, last_only=True)] + [pool(t[:, None], cache, last_only=True) for t in steps]
+        clear(pool)
+        slots = ParseSlots(pool, routers, DecodeConfig(batch_size=B, max_seq_len=32, backend=backend, graph="none"))
+        sizes = slots.load(subsets)
+        got = [slots.decoder.prefill(prompt)] + [slots.decoder.step(t).clone() for t in steps]
+    for n, size in sizes.items():
+        assert size == len(set().union(*[s["k"][n] for s in subsets])) <= slots.widths[n]
+    assert slots.masked == (B > 1)
+    for s, (a, b) in enumerate(zip(got, ref)):
+        err = float((a - b).abs().max() / b.abs().max())
+        assert err <= 1e-4, f"step {s}: relative error {err}"
+
+
+def test_reload_changes_the_subset_without_rebuilding():
+    """A second batch's subsets go into the same buffers (what a captured graph reads) and give its outputs."""
+    pool, routers = _pool()
+    slots = ParseSlots(pool, routers, DecodeConfig(batch_size=1, max_seq_len=32, backend="torch", graph="none"))
+    ptrs = {n: l.V.data_ptr() for n, l in slots.model.projections().items()}
+    prompt = torch.randint(0, CFG.vocab_size, (1, 6))
+    outs = []
+    with torch.no_grad():
+        for seed in (1, 2):
+            sub = _subset(routers, seed)
+            slots.load([sub])
+            outs.append(slots.decoder.prefill(prompt))
+            apply(pool, [sub])
+            ref = pool(prompt, last_only=True)
+            clear(pool)
+            assert float((outs[-1] - ref).abs().max() / ref.abs().max()) <= 1e-4
+    assert {n: l.V.data_ptr() for n, l in slots.model.projections().items()} == ptrs
+    assert not torch.allclose(outs[0], outs[1])
+
+
+def test_load_rejects_a_wrong_batch():
+    pool, routers = _pool()
+    slots = ParseSlots(pool, routers, DecodeConfig(batch_size=2, max_seq_len=16, backend="torch", graph="none"))
+    with pytest.raises(ValueError, match="expected 1..2 subsets"):
+        slots.load([_subset(routers, s) for s in range(3)])
