@@ -6,8 +6,12 @@ Random weights at the LLaMA-7B shape (speed does not depend on their values), bf
   ours-eager           rankserve's Transformer.forward with its dense KV cache, no graphs
   ours-compile         our torch step under torch.compile(mode="reduce-overhead") (gpt-fast style; one case only)
   ours-torch-graph     our torch step captured as one CUDA graph (what the Triton kernels add is the gap to the next)
-  ours-triton-layer    Triton kernels, one CUDA graph per layer
-  ours-triton-step     Triton kernels, one CUDA graph for the whole step
+  ours-graph-layer     Triton kernels, one CUDA graph per layer
+  ours-graph-step-triton   Triton kernels, one CUDA graph for the whole step (the engine's default: norms folded
+                       into the GEMVs, residual adds in epilogues, programmatic dependent launch on Hopper)
+  ours-step-nopdl      the same without programmatic dependent launch
+  ours-step-unfused    separate RMSNorm(+residual) kernels, no PDL (12 kernels a layer: the previous design)
+  ours-graph-step-cublas   the step with cuBLAS GEMVs inside the graph
 Every figure: ms/token median of >= 5 repeats (min/max too), tok/s, bytes read per token (weights + KV up to
 the current position), the floor at the device-to-device copy bandwidth measured in the same run, and MBU.
 
@@ -235,10 +239,21 @@ def time_ours_eager(model: Transformer, B: int, P: int, n_tokens: int, repeats: 
         return time_decode(step, lambda: cache.seqlens.fill_(P), n_tokens, repeats)
 
 
-def make_decoder(model: Transformer, B: int, S: int, backend: str, graph: str, gemv: str = "auto") -> FastDecoder:
+def make_decoder(model: Transformer, B: int, S: int, backend: str, graph: str, gemv: str = "auto",
+                 **kw) -> FastDecoder:
     if model.embed.weight.device.type != "cuda":
         graph = "none"
-    return FastDecoder(model, DecodeConfig(batch_size=B, max_seq_len=S, backend=backend, graph=graph, gemv=gemv))
+    return FastDecoder(model, DecodeConfig(batch_size=B, max_seq_len=S, backend=backend, graph=graph, gemv=gemv,
+                                           **kw))
+
+
+def mark_static(dec: FastDecoder) -> None:
+    """Tell torch.compile that the decoder's buffers and cache live at fixed addresses (as gpt-fast's module
+    buffers do), so cudagraph trees accept the step's in-place writes to them instead of skipping cudagraphs."""
+    mark = torch._dynamo.mark_static_address
+    for t in list(vars(dec).values()) + list(vars(dec.cache).values()):
+        if isinstance(t, torch.Tensor):
+            mark(t)
 
 
 def time_fast(dec: FastDecoder, P: int, n_tokens: int, repeats: int, compiled=None) -> list[float]:
@@ -334,6 +349,7 @@ def run_case(res: dict, cfg, family, keep, P, B, args, bw, dense_cache) -> None:
     if args.compile and (family, keep, P, B) == ("svd-llm", 0.6, args.prompts[0], 1):
         def compiled_row():
             dec = make_decoder(model, B, S, "torch", "none")
+            mark_static(dec)
             fn = torch.compile(dec._step_body, mode="reduce-overhead", fullgraph=True)
             t0 = time.perf_counter()
             with torch.inference_mode():
@@ -347,11 +363,15 @@ def run_case(res: dict, cfg, family, keep, P, B, args, bw, dense_cache) -> None:
     first = B == 1 and P == args.prompts[0]
     if first and "torch-graph" not in args.skip:
         add("ours-torch-graph", lambda: time_fast(make_decoder(model, B, S, "torch", "step"), P, n, reps))
-    add("ours-graph-layer", lambda: time_fast(make_decoder(model, B, S, "triton", "layer"), P, n, reps),
-        gemv="auto")
-    for gemv in ("triton", "cublas"):
-        add(f"ours-graph-step-{gemv}", lambda: time_fast(make_decoder(model, B, S, "triton", "step", gemv), P, n, reps),
-            gemv=gemv)
+    add("ours-graph-step-triton", lambda: time_fast(make_decoder(model, B, S, "triton", "step"), P, n, reps),
+        gemv="triton")
+    add("ours-step-nopdl", lambda: time_fast(make_decoder(model, B, S, "triton", "step", pdl="off"), P, n, reps))
+    add("ours-step-unfused", lambda: time_fast(make_decoder(model, B, S, "triton", "step", pdl="off",
+                                                            fuse_norm=False), P, n, reps))
+    if (first and (family, keep) == (args.families[0], args.keeps[0])) or "variants" not in args.skip:
+        add("ours-graph-layer", lambda: time_fast(make_decoder(model, B, S, "triton", "layer"), P, n, reps))
+        add("ours-graph-step-cublas", lambda: time_fast(make_decoder(model, B, S, "triton", "step", "cublas"), P, n,
+                                                        reps), gemv="cublas")
     if B == 1 and P == args.prompts[0]:
         try:
             case["greedy_check"] = greedy_match(model, make_decoder(model, B, P + 65, "triton", "step"), P, 64)
@@ -566,7 +586,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", nargs="*", type=int, default=[], help="prefill lengths to time (e.g. 2048 8192)")
     ap.add_argument("--prefill-only", action="store_true")
     ap.add_argument("--compile", action="store_true", help="add the torch.compile row for svd-llm 0.6, B=1")
-    ap.add_argument("--skip", nargs="*", default=[], help="rows to skip: hf-dense hf-lowrank eager torch-graph")
+    ap.add_argument("--skip", nargs="*", default=[],
+                    help="rows to skip: hf-dense hf-lowrank eager torch-graph; 'variants' = the per-layer-graph and "
+                         "cuBLAS rows except in the first case")
     ap.add_argument("--budget-s", type=float, default=540, help="stop starting new cases after this many seconds")
     ap.add_argument("--markdown", nargs="*", help="render these result JSONs as markdown and exit")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])

@@ -99,23 +99,22 @@ class ParseSlots:
         dev = self.pool.embed.weight.device
         sizes = {}
         for n, W in self.widths.items():
-            picks = [s["k"][n] for s in rows]
-            union = sorted(set().union(*picks))
+            picks = [torch.as_tensor(s["k"][n]) for s in rows]  # (K,) each
+            union = torch.unique(torch.cat(picks))  # sorted
             sizes[n] = len(union)
             if len(union) > W:  # cannot happen for validated subsets: |union| <= min(r_max, B K)
                 raise ValueError(f"{n}: union of {len(union)} components exceeds the slot width {W}")
-            idx = torch.tensor(union + [union[0]] * (W - len(union)), device=dev)  # padding: masked out below
+            if not self.masked and len(union) != W:  # B = 1 and not exactly K components
+                raise ValueError(f"{n}: subset of {len(union)} components, slot width {W}")
+            idx = torch.cat([union, union[:1].expand(W - len(union))]).to(dev)  # padding: masked out below
             src, dst = self._plins[n], self._slins[n]
             torch.index_select(src.V, 0, idx, out=dst.V.data)  # (W, in): rows of V
             torch.index_select(src.U, 1, idx, out=dst.U.data)  # (out, W): columns of U
             if self.masked:
-                col = {c: j for j, c in enumerate(union)}
                 keep = torch.zeros(self.B, W)
-                for b, p in enumerate(picks):
-                    keep[b, [col[c] for c in p]] = 1
+                for b, pk in enumerate(picks):
+                    keep[b, torch.searchsorted(union, pk)] = 1
                 self.keep[n].copy_(keep)
-            elif len(union) != W:  # B = 1 and a subset smaller than K: cannot happen for validated subsets
-                raise ValueError(f"{n}: subset of {len(union)} components, slot width {W}")
         for L in self.layers:
             L.refresh()
         for n, lin in self._slins.items():  # the eager prefill masks through FactorizedLinear.mask

@@ -1,0 +1,200 @@
+"""PARSE speed on a GPU: rank slots vs static truncation at the same K, CUDA graphs on, one run.
+
+LLaMA-7B shape, bf16, random weights (speed does not depend on their values), svd-llm ranks at keep 0.6 as K,
+a pool of r_max = pool_factor * K components per matrix, random routers and random subsets. Per batch size:
+  static        FastDecoder over the rank-K model (the engine's path for a static checkpoint)
+  parse-slots   ParseSlots over the r_max pool (workers/parse_decode.py): B = 1 gathers exactly the request's K
+                components; B > 1 gathers the union of the rows' subsets (up to min(r_max, B K)) with keep masks
+and for each: decode ms/token (median of repeats, graph replay), prefill ms (eager, B rows), plus the per-batch
+slot load (gather + re-pack) and the routing cost that retrieval saves (select(): one r_max prefill with every
+component on + one router GEMV per matrix). A correctness check compares the slots' logits with the eager masked
+pool for a few steps.
+
+Usage: python -m rankserve.bench.parse_speed --out parse-speed-h200.json [--batches 1 8]
+       python -m rankserve.bench.parse_speed --markdown parse-speed-h200.json > parse-speed.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from rankserve.bench.decode import build_model, copy_bandwidth, plan_ranks, row, sync, time_fast, weight_bytes_read
+from rankserve.workers.config import preset
+from rankserve.workers.fast_decode import DecodeConfig, FastDecoder
+from rankserve.workers.kv_cache import KVCache
+from rankserve.workers.parse import Routers, apply, clear, select_batch
+from rankserve.workers.parse_decode import ParseSlots
+
+
+def _median_ms(fn, n: int = 5) -> float:
+    fn()
+    sync()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def random_subsets(routers: Routers, B: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"v": 1, "k": {n: sorted(torch.randperm(routers.r_max[n], generator=g)[:k].tolist())
+                           for n, k in routers.k.items()}} for _ in range(B)]
+
+
+def check(pool, slots: ParseSlots, subsets: list[dict], steps: int = 8) -> dict:
+    """Max relative logit error of the slot path (graph) vs the eager masked pool, prefill + `steps` steps."""
+    cfg, B = pool.cfg, slots.B
+    dev = pool.embed.weight.device
+    torch.manual_seed(3)
+    prompt = torch.randint(0, cfg.vocab_size, (B, 16), device=dev)
+    toks = [torch.randint(0, cfg.vocab_size, (B,), device=dev) for _ in range(steps)]
+    with torch.inference_mode():
+        slots.load(subsets)
+        got = [slots.decoder.prefill(prompt).float()] + [slots.decoder.step(t).float().clone() for t in toks]
+        apply(pool, subsets)
+        cache = KVCache(cfg.num_hidden_layers, B, 16 + steps + 1, cfg.num_key_value_heads, cfg.head_dim,
+                        device=dev, dtype=pool.embed.weight.dtype)
+        ref = [pool(prompt, cache, last_only=True)] + [pool(t[:, None], cache, last_only=True) for t in toks]
+        clear(pool)
+    errs = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, ref)]
+    agree = [float((a.argmax(-1) == b.argmax(-1)).float().mean()) for a, b in zip(got, ref)]
+    return dict(max_rel_err=max(errs), argmax_agreement=statistics.mean(agree), steps=steps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m rankserve.bench.parse_speed", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench/results/parse-speed.json")
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--keep", type=float, default=0.6)
+    ap.add_argument("--pool-factor", type=float, default=2.0)
+    ap.add_argument("--prompt", type=int, default=128, help="prompt length of the decode timing and of routing")
+    ap.add_argument("--prefill-tokens", type=int, default=2048, help="prefill: B rows of this many / B tokens")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--preset", default="llama-7b")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of this script")
+    ap.add_argument("--markdown", nargs="*", help="render result JSONs as markdown and exit")
+    args = ap.parse_args(argv)
+    if args.markdown:
+        print(markdown(args.markdown))
+        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: bench parse_speed needs a CUDA GPU (--device cpu runs a smoke test)", file=sys.stderr)
+        return 2
+    import triton
+
+    t_start = time.perf_counter()
+    dev = args.device
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    graph = "step" if dev == "cuda" else "none"
+    bw = copy_bandwidth(dev)
+    cfg = preset(args.preset)
+    K, _ = plan_ranks(cfg, "svd-llm", args.keep)
+    shapes = cfg.linear_shapes()
+    r_max = {n: min(int(args.pool_factor * k), min(shapes[n.rsplit(".", 1)[1]])) for n, k in K.items()}
+    static = build_model(cfg, K, {}, dev, dt)
+    pool = build_model(cfg, r_max, {}, dev, dt, seed=1)
+    lins = pool.projections()
+    g = torch.Generator(device=dev).manual_seed(0)
+    routers = Routers(R={n: torch.randn(r, lins[n].in_features, device=dev, generator=g) for n, r in r_max.items()},
+                      b={n: torch.zeros(r, device=dev) for n, r in r_max.items()}, k=dict(K), r_max=r_max, head={},
+                      perm={})
+    res = dict(env=dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke test)", torch=torch.__version__, triton=triton.__version__,
+                        cuda=torch.version.cuda, copy_bw=bw, weights="random, bf16", date=time.strftime("%Y-%m-%d")),
+               setup=dict(preset=args.preset, keep=args.keep, pool_factor=args.pool_factor, prompt=args.prompt,
+                          static_weight_bytes=weight_bytes_read(static), pool_weight_bytes=weight_bytes_read(pool)),
+               batches=[], argv=argv)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(res, indent=1))
+        os.replace(tmp, out)
+
+    print(f"{res['env']['gpu']}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    P, n, reps = args.prompt, args.tokens, args.repeats
+    for B in args.batches:
+        S = P + n + 16
+        entry = dict(batch=B, rows=[])
+        res["batches"].append(entry)
+        subsets = random_subsets(routers, B, seed=B)
+        # static rank-K
+        dec = FastDecoder(static, DecodeConfig(batch_size=B, max_seq_len=S, graph=graph))
+        entry["rows"].append(row("static", time_fast(dec, P, n, reps), weight_bytes_read(static), bw, B))
+        del dec
+        # PARSE slots
+        slots = ParseSlots(pool, routers, DecodeConfig(batch_size=B, max_seq_len=S, graph=graph))
+        sizes = slots.load(subsets)
+        slot_bytes = weight_bytes_read(slots.model)
+        entry["union_over_k"] = statistics.mean(sizes[n_] / K[n_] for n_ in K)
+        entry["rows"].append(row("parse-slots", time_fast(slots.decoder, P, n, reps), slot_bytes, bw, B))
+        entry["slot_load_ms"] = _median_ms(lambda: slots.load(subsets))
+        entry["check"] = check(pool, slots, subsets)
+        # prefill: B rows sharing args.prefill_tokens tokens
+        Pp = max(16, args.prefill_tokens // B)
+        x = torch.randint(0, cfg.vocab_size, (B, Pp), device=dev)
+        with torch.inference_mode():
+            kv = lambda m: KVCache(cfg.num_hidden_layers, B, Pp, cfg.num_key_value_heads, cfg.head_dim,  # noqa: E731
+                                   device=dev, dtype=dt)
+            entry["prefill_tokens_per_row"] = Pp
+            entry["prefill_static_ms"] = _median_ms(lambda: static(x, kv(static), last_only=True))
+            slots.load(subsets)
+            entry["prefill_parse_ms"] = _median_ms(lambda: slots.model(x, kv(slots.model), last_only=True))
+            # the routing that a rank-cache hit skips: one r_max prefill of the prompt + the router GEMVs
+            xr = torch.randint(0, cfg.vocab_size, (B, P), device=dev)
+            entry["route_ms"] = _median_ms(lambda: select_batch(pool, routers, xr), n=3)
+        for r in entry["rows"]:
+            print(f"B={B} {r['row']:12s} {r['ms_per_token']:.3f} ms/token MBU {r['mbu']:.2f}", flush=True)
+        print(f"B={B}: union/K {entry['union_over_k']:.2f}, slot load {entry['slot_load_ms']:.1f} ms, prefill "
+              f"{entry['prefill_static_ms']:.1f} vs {entry['prefill_parse_ms']:.1f} ms, route {entry['route_ms']:.1f} ms, "
+              f"check {entry['check']}", flush=True)
+        del slots
+        gc.collect()
+        torch.cuda.empty_cache()
+        save()
+    res["wall_s"] = time.perf_counter() - t_start
+    save()
+    print(f"wrote {out} in {res['wall_s']:.0f} s")
+    return 0
+
+
+def markdown(paths: list[str]) -> str:
+    lines = []
+    for p in paths:
+        d = json.loads(Path(p).read_text())
+        env, st = d["env"], d["setup"]
+        lines += [f"## PARSE speed — {env['gpu']} (`{Path(p).name}`)", "",
+                  f"torch {env['torch']}, triton {env['triton']}; copy bandwidth {env['copy_bw'] / 1e12:.2f} TB/s; "
+                  f"{st['preset']} shape, K = svd-llm ranks at keep {st['keep']}, pool r_max = {st['pool_factor']} K, "
+                  f"random bf16 weights, random subsets; decode after a {st['prompt']}-token prompt, CUDA graphs on.", "",
+                  "| B | static ms/token | PARSE ms/token | ratio | union / K | slot load ms | prefill static / PARSE ms "
+                  "(ratio) | routing ms (saved by a cache hit) | check: max rel. err, argmax agreement |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for e in d["batches"]:
+            s, q = (next(r for r in e["rows"] if r["row"] == name) for name in ("static", "parse-slots"))
+            c = e["check"]
+            lines.append(f"| {e['batch']} | {s['ms_per_token']:.3f} | {q['ms_per_token']:.3f} | "
+                         f"{q['ms_per_token'] / s['ms_per_token']:.2f}× | {e['union_over_k']:.2f} | "
+                         f"{e['slot_load_ms']:.1f} | {e['prefill_static_ms']:.1f} / {e['prefill_parse_ms']:.1f} "
+                         f"({e['prefill_parse_ms'] / e['prefill_static_ms']:.2f}×, {e['batch']}×"
+                         f"{e['prefill_tokens_per_row']} tokens) | {e['route_ms']:.1f} | "
+                         f"{c['max_rel_err']:.1e}, {c['argmax_agreement']:.2f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
