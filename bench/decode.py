@@ -589,6 +589,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", nargs="*", default=[],
                     help="rows to skip: hf-dense hf-lowrank eager torch-graph; 'variants' = the per-layer-graph and "
                          "cuBLAS rows except in the first case")
+    ap.add_argument("--cases", nargs="*", default=None,
+                    help="explicit cases family:keep:prompt:batch (replaces the default plan of cases)")
     ap.add_argument("--budget-s", type=float, default=540, help="stop starting new cases after this many seconds")
     ap.add_argument("--markdown", nargs="*", help="render these result JSONs as markdown and exit")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -635,6 +637,10 @@ def main(argv: list[str] | None = None) -> int:
     plan += [("case", args.families[0], args.keeps[0], big, B) for B in args.batches if B > 1] if big != small else []
     plan += [("case", f, k, P, B) for B in args.batches if B > 1 for P in args.prompts for f in args.families
              for k in args.keeps[1:]]
+    if args.cases is not None:  # explicit cases, then the long run and prefill if asked
+        plan = [("prefill",)] if args.prefill else []
+        plan += [("case", f, float(k), int(P), int(B)) for f, k, P, B in (c.split(":") for c in args.cases)]
+        plan += [("long",)] if args.long else []
     for item in plan:
         if time.perf_counter() - t_start > args.budget_s:
             print(f"time budget reached: skipping {item}", flush=True)
