@@ -100,4 +100,5 @@ def test_fast_path_gives_the_eager_tokens():
     sp = SamplingParams(max_new_tokens=25, temperature=0.9, top_k=20, seed=3)
     assert fast.generate("The cat", sp).token_ids == eager.generate("The cat", sp).token_ids
     assert len(fast._decoders) == 2  # one decoder per (batch size, cache bucket), packed weights shared
-    assert all(d.layers is fast._packed for d in fast._decoders.values())
+    # packed weights shared per layout (the torch backend has one: no fused norms)
+    assert all(d.layers is fast._packed[False] for d in fast._decoders.values())

@@ -19,6 +19,7 @@ from rankserve.workers.fast_decode import DecodeConfig, FastDecoder
 from rankserve.workers.kv_cache import KVCache
 from rankserve.workers.model import Transformer
 from rankserve.workers.parse import Routers, apply, clear, load_parse, select, validate
+from rankserve.workers.parse_decode import ParseSlots
 from rankserve.workers.sampler import SamplingParams, sample
 from rankserve.workers.tokenizer import Tokenizer
 
@@ -96,7 +97,8 @@ class Engine:
             raise ValueError(f"fast_path must be 'auto', 'off', 'torch' or 'triton', got {fast_path!r}")
         self.fast_path = fast_path
         self._decoders: dict[tuple[int, int], FastDecoder] = {}
-        self._packed = None
+        self._slots: dict[tuple[int, int], ParseSlots] = {}  # PARSE rank slots per (B, S) bucket
+        self._packed: dict[bool, list] = {}  # packed decode weights per fused-norm layout, shared by decoders
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
@@ -132,7 +134,7 @@ class Engine:
             token, delta = step[0]
             yield StreamEvent(token, delta, row.finish)
 
-    def _fast_decoder(self, B: int, S: int) -> FastDecoder | None:
+    def _fast_decoder(self, B: int, S: int, subsets: list[dict] | None = None) -> FastDecoder | None:
         """The thin decode path for (B, S), built once per batch size and cache-length bucket; None = eager."""
         mode = self.fast_path
         if mode == "auto":
@@ -140,11 +142,17 @@ class Engine:
         if mode == "off":
             return None
         S = min(max(256, 1 << (S - 1).bit_length()), self.max_seq_len)  # power-of-two buckets: few graphs
+        graph = "step" if self.device.type == "cuda" else "none"  # whole-step graph: measured fastest
+        if subsets is not None:  # PARSE: rank slots per (B, S), loaded with this batch's subsets (no recapture)
+            if (B, S) not in self._slots:
+                self._slots[(B, S)] = ParseSlots(self.model, self.routers,
+                                                 DecodeConfig(batch_size=B, max_seq_len=S, backend=mode, graph=graph))
+            self._slots[(B, S)].load(subsets)
+            return self._slots[(B, S)].decoder
         if (B, S) not in self._decoders:
-            graph = "step" if self.device.type == "cuda" else "none"  # whole-step graph: measured fastest
-            self._decoders[(B, S)] = FastDecoder(self.model, DecodeConfig(batch_size=B, max_seq_len=S, backend=mode,
-                                                                          graph=graph), packed=self._packed)
-            self._packed = self._decoders[(B, S)].layers  # every decoder shares one packed copy of the weights
+            dcfg = DecodeConfig(batch_size=B, max_seq_len=S, backend=mode, graph=graph)
+            self._decoders[(B, S)] = FastDecoder(self.model, dcfg, packed=self._packed.get(dcfg.fused()))
+            self._packed[dcfg.fused()] = self._decoders[(B, S)].layers  # decoders of one layout share one copy
         return self._decoders[(B, S)]
 
     def rank_subset(self, prompt: str) -> dict | None:
@@ -166,15 +174,17 @@ class Engine:
         if self.routers is None:
             yield from self._steps(rows)
             return
-        # PARSE: `subset` (None: each row's own routed subset) masks the prefill and every decode step (rank reuse)
-        apply(self.model, [validate(subset, self.routers)] * len(rows) if subset is not None else
-              [select(self.model, self.routers, r.prompt_ids) for r in rows])
+        # PARSE: `subset` (None: each row's own routed subset) masks the prefill and every decode step (rank reuse);
+        # on the fast path the subsets are gathered into rank slots instead (workers/parse_decode.py)
+        subsets = ([validate(subset, self.routers)] * len(rows) if subset is not None else
+                   [select(self.model, self.routers, r.prompt_ids) for r in rows])
+        apply(self.model, subsets)
         try:
-            yield from self._steps(rows)
+            yield from self._steps(rows, subsets)
         finally:
             clear(self.model)
 
-    def _steps(self, rows: list[_Row]) -> Iterator[list[tuple[int, str]]]:
+    def _steps(self, rows: list[_Row], subsets: list[dict] | None = None) -> Iterator[list[tuple[int, str]]]:
         B = len(rows)
         lens = [len(r.prompt_ids) for r in rows]
         budget = max(l + r.params.max_new_tokens for l, r in zip(lens, rows))
@@ -186,8 +196,9 @@ class Engine:
         lengths = torch.tensor(lens, dtype=torch.int32, device=self.device)
         # finished rows keep stepping in the fast path, so its cache holds the longest prompt + the largest budget
         need = max(lens) + max(r.params.max_new_tokens for r in rows)
-        # eager when a row may reach the context limit, and for PARSE (the fast path does not read the masks)
-        dec = self._fast_decoder(B, need) if need <= self.max_seq_len and self.routers is None else None
+        # eager when a row may reach the context limit, and for PARSE with re-routing (subsets change mid-request)
+        fast = need <= self.max_seq_len and not (self.routers is not None and self.reroute_every)
+        dec = self._fast_decoder(B, need, subsets) if fast else None
         if dec is not None:
             logits = dec.prefill(tokens.to(self.device), lengths)  # (B, V)
         else:

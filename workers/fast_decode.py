@@ -35,8 +35,12 @@ class DecodeConfig:
     graph: str = "step"  # "none" | "layer" (one CUDA graph per layer) | "step" (one graph for the whole step)
     num_splits: int = 0  # split-K factor of decode attention; 0 = from the cache length
     gemv: str = "auto"  # "triton" (fused GEMV kernels) | "cublas" (torch.mm) | "auto" (= triton, the measured winner)
-    fuse_norm: bool = True  # Triton GEMVs: RMSNorm folded into the next GEMV, residual adds in the o/down epilogues
-    pdl: str = "auto"  # programmatic dependent launch: "auto" (= on for Hopper+ and a triton that has it) | "on" | "off"
+    # Triton GEMVs: RMSNorm folded into the next GEMV, residual adds in the o/down epilogues. None = the measured
+    # winner: on at B = 1 (3.38 vs 3.62 ms/token on the H200), off at B > 1 (B = 8: 9.7 vs 7.3 ms; decode.md)
+    fuse_norm: bool | None = None
+    # programmatic dependent launch: "auto" = on at B = 1 on Hopper+ with a triton that has it (B = 8 measured
+    # slower with it) | "on" | "off"
+    pdl: str = "auto"
 
     def __post_init__(self) -> None:
         if self.pdl not in ("auto", "on", "off"):
@@ -47,6 +51,11 @@ class DecodeConfig:
             raise ValueError(f"backend must be 'triton' or 'torch', got {self.backend!r}")
         if self.graph not in ("none", "layer", "step"):
             raise ValueError(f"graph must be 'none', 'layer' or 'step', got {self.graph!r}")
+
+    def fused(self) -> bool:
+        """Whether the ten-kernel fused layer runs (Triton GEMVs and fuse_norm, or its B-dependent default)."""
+        on = self.batch_size == 1 if self.fuse_norm is None else self.fuse_norm
+        return self.backend == "triton" and self.gemv in ("auto", "triton") and on
 
 
 def _masked(t: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
@@ -126,7 +135,7 @@ class FastDecoder:
         # measured on the H200 (bench/results/kernels-h200.json, decode.md): the Triton kernels beat cuBLAS GEMVs
         # for B = 1..8 (B > 1 pads rows to 16 for tensor cores), and the fused step is 1.8x faster at B = 1
         self.gemv = "triton" if dcfg.gemv == "auto" else dcfg.gemv
-        self.fuse = self.use_triton and self.gemv == "triton" and dcfg.fuse_norm
+        self.fuse = dcfg.fused()
         self.pdl = False
         if self.use_triton:  # imported lazily: the torch backend must work without triton
             from rankserve.kernels import decode_attention as _attn
@@ -137,7 +146,7 @@ class FastDecoder:
             self._k = dict(attn=_attn, gu=_gu, ll=_ll, qkv=_qkv, rms=_rms)
             if dcfg.pdl == "on" and not _ll.pdl_supported(dev):
                 raise ValueError("pdl='on' needs a Hopper-or-newer GPU and a triton with griddepcontrol")
-            self.pdl = dcfg.pdl == "on" or (dcfg.pdl == "auto" and _ll.pdl_supported(dev))
+            self.pdl = dcfg.pdl == "on" or (dcfg.pdl == "auto" and B == 1 and _ll.pdl_supported(dev))
             self.num_splits = dcfg.num_splits or _attn.default_num_splits(dcfg.max_seq_len, B, cfg.num_key_value_heads)
         if packed is not None and any(l.folded != (self.fuse and l.factorized) for l in packed):
             raise ValueError("the packed layers were built for another fuse_norm setting")

@@ -67,8 +67,7 @@ class ParseSlots:
         self.widths = slot_widths(routers, B)
         self.model = _slot_model(pool, self.widths)
         dev, dt = pool.embed.weight.device, pool.embed.weight.dtype
-        fold = dcfg.backend == "triton" and dcfg.gemv in ("auto", "triton") and dcfg.fuse_norm
-        self.layers = [_Layer(blk, pool.cfg, fold=fold) for blk in self.model.layers]
+        self.layers = [_Layer(blk, pool.cfg, fold=dcfg.fused()) for blk in self.model.layers]
         self.keep: dict[str, torch.Tensor] = {}  # proj name -> (B, W) view into a packed keep buffer
         self.masked = B > 1  # B = 1: the slot is exactly the subset, nothing to mask
         if self.masked:
