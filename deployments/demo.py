@@ -1,8 +1,8 @@
 """`make run`: the whole service on this machine, one HTTP and one gRPC request, both answers printed, clean exit.
 
-Builds the two local families from the bundled model if missing (`rankserve compress` into .cache/models/), starts
-redis-server, a local Ray and Serve with configs/serve.local.yaml, asks each protocol for a greedy completion,
-prints them, and shuts everything down. Set RANKSERVE_API_KEY to try it with auth on.
+Builds the three local families from the bundled model if missing (`rankserve compress` and `rankserve train-parse`
+into .cache/models/), starts redis-server, a local Ray and Serve with configs/serve.local.yaml, asks each protocol for
+a greedy completion, prints them, and shuts everything down. Set RANKSERVE_API_KEY to try it with auth on.
 
 Run:  make run      or      .venv/bin/python -m rankserve.deployments.demo [--prompt TEXT] [--max-tokens N]
 """

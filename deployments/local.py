@@ -27,7 +27,14 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED_MODEL = ROOT / "models" / "stories260K"
-LOCAL_FAMILIES = {"svd-llm": "stories260K-svd-llm-0.8", "basis-sharing": "stories260K-basis-sharing-0.8"}
+# family -> model dir under .cache/models; the static families come from `rankserve compress --method <family>`,
+# "parse-svd-llm" from `rankserve train-parse` (PARSE routers over an svd-llm rank-expert pool)
+LOCAL_FAMILIES = {"svd-llm": "stories260K-svd-llm-0.8", "basis-sharing": "stories260K-basis-sharing-0.8",
+                  "parse-svd-llm": "stories260K-parse-svd-llm-0.8"}
+# A quick PARSE build (a few CPU seconds): enough to route and serve, not a trained result (bench/results/parse.md).
+# Same calibration text and tokens as the svd-llm family, so its static subset (first K) is exactly that model.
+PARSE_BUILD = ["--windows", "192", "--window", "32", "--prompt-len", "16", "--batch-size", "32", "--steps", "50",
+               "--kd-steps", "25"]
 
 
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
@@ -49,23 +56,30 @@ def free_port() -> int:
 # ---- models for the local config ----------------------------------------------------------------------------------
 
 def ensure_models(cache_dir: Path = ROOT / ".cache" / "models", keep: float = 0.8, quiet: bool = False) -> dict[str, Path]:
-    """Build the local families from the bundled model with `rankserve compress` where missing; returns their dirs.
+    """Build the local families from the bundled model with `rankserve compress` (static families) or `rankserve
+    train-parse` (PARSE) where missing; returns {family: dir}.
 
-    Calibration text is sampled from the bundled model itself (seeded, so reproducible): in-distribution for a
-    TinyStories model and needs no data set on disk.
+    Calibration text (and PARSE's router-training text) is sampled from the bundled model itself (seeded, so
+    reproducible): in-distribution for a TinyStories model and needs no data set on disk.
     """
     cache_dir = Path(cache_dir)
     out = {}
-    for method, name in LOCAL_FAMILIES.items():
+    for family, name in LOCAL_FAMILIES.items():
         path = cache_dir / name.replace("0.8", f"{keep:g}")
         if not (path / "model.safetensors").is_file():
             calib = _calibration_text(cache_dir.parent / "calib" / "stories260K-selfgen.txt")
-            cmd = [sys.executable, "-m", "rankserve.cli", "compress", "--method", method, "--keep", str(keep),
-                   "--calib", str(calib), "--calib-tokens", "8192", str(BUNDLED_MODEL), str(path), "--json"]
+            cli = [sys.executable, "-m", "rankserve.cli"]
+            if family.startswith("parse-"):
+                cmd = cli + ["train-parse", "--base", family.removeprefix("parse-"), "--keep", str(keep),
+                             "--calib-text", str(calib), "--train-text", str(calib), "--calib-tokens", "8192",
+                             *PARSE_BUILD, str(BUNDLED_MODEL), str(path), "--json"]
+            else:
+                cmd = cli + ["compress", "--method", family, "--keep", str(keep), "--calib", str(calib),
+                             "--calib-tokens", "8192", str(BUNDLED_MODEL), str(path), "--json"]
             if not quiet:
-                print(f"building {path} ({method}, keep {keep}) ...", flush=True)
+                print(f"building {path} ({family}, keep {keep}) ...", flush=True)
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL if quiet else None)
-        out[method] = path
+        out[family] = path
     return out
 
 

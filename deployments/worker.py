@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, AsyncIterator
 
 from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
+
+from rankserve.rank_cache.store import model_version  # the rank-cache namespace, shared with build-rank-cache
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 RATE_BUCKETS = [1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000]
@@ -47,17 +46,6 @@ class FamilySpec:
     def __post_init__(self) -> None:
         if self.max_tokens <= 0 or self.request_timeout_s <= 0:
             raise ValueError(f"max_tokens and request_timeout_s must be positive: {self}")
-
-
-def model_version(model_dir: str | Path) -> str:
-    """A stable id of a checkpoint, the same on every replica: family + hash of its JSON files and weight size."""
-    d = Path(model_dir)
-    h = hashlib.sha256()
-    for name in ("config.json", "rankserve.json"):
-        h.update((d / name).read_bytes())
-    h.update(str((d / "model.safetensors").stat().st_size).encode())
-    family = json.loads((d / "rankserve.json").read_text()).get("family", "model")
-    return f"{family}-{h.hexdigest()[:12]}"
 
 
 def fold(events: list[dict]) -> dict[str, Any]:
@@ -105,6 +93,8 @@ class Worker:
         self.m_requests = Counter("rankserve_worker_requests", "requests finished by a worker, by outcome",
                                   tag_keys=("family", "outcome"))
         self.m_tokens = Counter("rankserve_generated_tokens", "tokens generated", tag_keys=tags)
+        self.m_router_runs = Counter("rankserve_parse_router_runs", "PARSE router runs (rank-cache misses of a "
+                                     "PARSE family; a hit skips them)", tag_keys=tags)
         self.m_ttft = Histogram("rankserve_worker_time_to_first_token_seconds",
                                 "arrival at the replica to first token (queueing included)", LATENCY_BUCKETS, tags)
         self.m_queue = Histogram("rankserve_worker_queue_seconds", "time waiting for the engine", LATENCY_BUCKETS, tags)
@@ -189,6 +179,8 @@ class Worker:
         try:
             if not cached:  # a miss: the model's own routers choose (None = static ranks); the router writes it back
                 subset = await self._call(self.engine.rank_subset, prompt)
+                if subset is not None:  # None: a static family, no routers ran
+                    self.m_router_runs.inc(tags=tags)
             yield dict(event="start", prompt_tokens=n_prompt, subset=subset, cached=cached)
             gen = self.engine.stream(prompt, params, subset=subset)
             t_first = None

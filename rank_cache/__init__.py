@@ -2,6 +2,6 @@
 
 from .cache import Hit, RankCache, RankIndex
 from .embedder import DIM, Embedder
-from .store import KEY_SCHEMA, RedisStore
+from .store import KEY_SCHEMA, RedisStore, model_version
 
-__all__ = ["DIM", "Embedder", "Hit", "KEY_SCHEMA", "RankCache", "RankIndex", "RedisStore"]
+__all__ = ["DIM", "Embedder", "Hit", "KEY_SCHEMA", "RankCache", "RankIndex", "RedisStore", "model_version"]

@@ -7,14 +7,17 @@ Layout (plain Redis >= 6; no search module needed), `v1` being the key-schema ve
     rankcache:v1:{family}:{version}:ids       ZSET  id -> last use (unix s); the size bound evicts the lowest
     rankcache:v1:stream                       STREAM of op=add (with vec + subset) | op=del, family, version, id
 
-`version` is the model version a subset belongs to: a new checkpoint starts an empty space, old ones age out.
+`version` is the model version a subset belongs to (`model_version`: the same on every replica and in
+`rankserve build-rank-cache`): a new checkpoint starts an empty space, old ones age out.
 Every write goes through one Lua script, so insert + eviction + stream events are atomic across replicas.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import redis
@@ -59,6 +62,17 @@ class Event:
     id: int
     vec: np.ndarray | None = None  # (384,) float32 for "add"
     subset: dict | None = None
+
+
+def model_version(model_dir: str | Path) -> str:
+    """A stable id of a checkpoint, the same on every replica: family + hash of its JSON files and weight size."""
+    d = Path(model_dir)
+    h = hashlib.sha256()
+    for name in ("config.json", "rankserve.json"):
+        h.update((d / name).read_bytes())
+    h.update(str((d / "model.safetensors").stat().st_size).encode())
+    family = json.loads((d / "rankserve.json").read_text()).get("family", "model")
+    return f"{family}-{h.hexdigest()[:12]}"
 
 
 def _check_name(kind: str, name: str) -> None:

@@ -19,6 +19,7 @@ app.add_typer(bench_app, name="bench")
 
 FAMILIES = ("hf", "llama2c", "svd-llm", "svd-llm-v2", "dobi-svd", "basis-sharing")
 METHODS = ("svd", "svd-llm", "basis-sharing")
+PARSE_BASES = ("svd-llm", "basis-sharing")  # compress.parse.BASES (not imported here: it pulls in torch)
 
 
 def _fail(msg: str) -> None:
@@ -50,6 +51,35 @@ def _dtype(name: str | None):
     if name not in table:
         _fail(f"unknown dtype {name!r}; use float32, bfloat16 or float16")
     return table[name]
+
+
+def _check_text(label: str, path: Path) -> None:
+    if not path.is_file():
+        raise ValueError(f"{label} text {path} does not exist or is not a file")
+    if not path.read_text(encoding="utf-8", errors="replace").strip():
+        raise ValueError(f"{label} text {path} is empty")
+
+
+def _read_subset(path: Path, routers) -> dict:
+    """A rank subset from a JSON file, validated against the model's routers."""
+    from rankserve.workers.parse import validate
+
+    if not path.is_file():
+        raise ValueError(f"subset file {path} does not exist or is not a file")
+    try:
+        subset = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"subset file {path} is not JSON ({e})") from None
+    try:
+        return validate(subset, routers)
+    except ValueError as e:
+        raise ValueError(f"subset file {path}: {e}") from None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 @app.command("import")
@@ -143,22 +173,52 @@ def generate_cmd(
     top_k: int = typer.Option(0, "--top-k"),
     seed: Optional[int] = typer.Option(None, "--seed"),
     stop: list[str] = typer.Option([], "--stop", help="stop string (repeatable)"),
+    parse: bool = typer.Option(False, "--parse", help="PARSE checkpoint: route the prompt with its routers (what a "
+                                                      "rank-cache miss does) and report the rank subset"),
+    subset_file: Optional[Path] = typer.Option(None, "--subset", help="PARSE checkpoint: generate with this rank "
+                                               "subset (JSON, as --subset-out writes it and the rank cache stores it)"),
+    subset_out: Optional[Path] = typer.Option(None, "--subset-out", help="with --parse or --subset: write the whole "
+                                              "subset used to this file (JSON)"),
     device: str = typer.Option("cpu", "--device"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on CUDA)"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Generate text from a prompt."""
+    """Generate text from a prompt.
+
+    A PARSE checkpoint routes every prompt; --parse says so (and fails on a static checkpoint), --subset replays a
+    stored choice. With --json and either flag, "subset" holds the subset's digest and its size per matrix (the
+    whole subset can be large: --subset-out writes it).
+    """
+    if parse and subset_file is not None:
+        _fail("--parse and --subset exclude each other: route the prompt, or replay a stored subset")
+    if subset_out is not None and not (parse or subset_file is not None):
+        _fail("--subset-out needs --parse or --subset")
 
     def body():
         from rankserve.workers.engine import Engine
+        from rankserve.workers.parse import digest
         from rankserve.workers.sampler import SamplingParams
 
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=tuple(stop))
         engine = Engine.load(model, device=device, dtype=_dtype(dtype))
-        r = engine.generate(prompt, params)
-        _emit(as_json, {"text": r.text, "token_ids": r.token_ids, "num_prompt_tokens": r.num_prompt_tokens,
-                        "finish_reason": r.finish_reason}, prompt + r.text)
+        subset = None
+        if parse or subset_file is not None:
+            if engine.routers is None:
+                raise ValueError(f"{model} has no PARSE routers (family {engine.manifest.family}); --parse and "
+                                 f"--subset need a checkpoint built by `rankserve train-parse`")
+            subset = _read_subset(subset_file, engine.routers) if subset_file else engine.rank_subset(prompt)
+        r = engine.generate(prompt, params, subset=subset)
+        out = {"text": r.text, "token_ids": r.token_ids, "num_prompt_tokens": r.num_prompt_tokens,
+               "finish_reason": r.finish_reason}
+        if subset is not None:
+            out["subset"] = {"digest": digest(subset), "k": {n: len(idx) for n, idx in subset["k"].items()}}
+            if subset_out is not None:
+                _write_atomic(subset_out, json.dumps(subset) + "\n")
+            if not as_json:  # stdout stays the text
+                typer.echo(f"rank subset {out['subset']['digest']} ({len(subset['k'])} matrices, "
+                           f"{sum(out['subset']['k'].values())} components)", err=True)
+        _emit(as_json, out, prompt + r.text)
 
     _run(body)
 
@@ -191,6 +251,215 @@ def eval_cmd(
             human += (f"; top-1 agreement {res['top1_agreement']:.4f}, KL {res['kl']:.5f}, greedy identity "
                       f"{res['greedy_identity']:.3f} vs {reference} (perplexity {res['reference_perplexity']:.4f})")
         _emit(as_json, res, human)
+
+    _run(body)
+
+
+@app.command("train-parse")
+def train_parse_cmd(
+    dense: Path = typer.Argument(..., help="dense native checkpoint"),
+    out: Path = typer.Argument(..., help="output directory (must not exist)"),
+    base: str = typer.Option("svd-llm", "--base", help=f"compressor of the rank-expert pool: {' | '.join(PARSE_BASES)}"),
+    keep: float = typer.Option(0.6, "--keep", help="fraction of decoder-linear parameters the static baseline keeps, "
+                                                   "in (0, 1]; sets K, the components a request uses per matrix"),
+    pool_factor: float = typer.Option(2.0, "--pool-factor", help="components stored per matrix: r_max = "
+                                                                 "min(ceil(pool_factor·K), min(out, in)), >= 1"),
+    calib_text: Path = typer.Option(..., "--calib-text", help="whitening calibration text"),
+    train_text: list[Path] = typer.Option(..., "--train-text", help="router-training text, .txt or .jsonl (repeat "
+                                          "for several files, sharing the windows evenly); not the evaluation text"),
+    steps: int = typer.Option(100, "--steps", help="layer-local STE steps after the closed-form warm start"),
+    kd_steps: int = typer.Option(300, "--kd-steps", help="end-to-end STE steps against the dense logits (0 = none)"),
+    calib_tokens: int = typer.Option(131072, "--calib-tokens", help="calibration tokens to read at most (pass "
+                                     "`compress`'s value to make mask = first K equal that static checkpoint)"),
+    calib_seq_len: Optional[int] = typer.Option(None, "--calib-seq-len", help="calibration window (default "
+                                                "min(2048, context))"),
+    windows: Optional[int] = typer.Option(None, "--windows", help="training windows drawn from the corpus, the "
+                                          "last 10% held out (default 2048)"),
+    window: Optional[int] = typer.Option(None, "--window", help="tokens per training window, BOS first (default 128)"),
+    prompt_len: Optional[int] = typer.Option(None, "--prompt-len", help="the router input pools a window's first "
+                                             "prompt-len tokens (default 64)"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="windows per layer-local step (default 64)"),
+    kd_batch: Optional[int] = typer.Option(None, "--kd-batch", help="windows per end-to-end step (default 8)"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="window sampling and batch order (default 0)"),
+    group_size: int = typer.Option(2, "--group-size", help="basis-sharing: consecutive layers per shared basis"),
+    work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="resumable intermediates (default: "
+                                            ".OUT.parse-work next to OUT, removed after success)"),
+    resume: bool = typer.Option(True, "--resume/--no-resume", help="continue an interrupted run with the same "
+                                "arguments from its work dir (default), or discard that work dir and start over"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Build a PARSE checkpoint (rank-expert pool, per-matrix routers, frequency-sorted experts) from a dense one.
+
+    Runs on CPU in fp32. Interrupted, it keeps its intermediates in the work dir: the same command resumes there.
+    """
+    if base not in PARSE_BASES:
+        _fail(f"unknown PARSE base {base!r}; choose one of: {', '.join(PARSE_BASES)}")
+    if not 0 < keep <= 1:
+        _fail(f"--keep must be in (0, 1], got {keep}")
+    if pool_factor < 1:
+        _fail(f"--pool-factor must be at least 1 (r_max >= K), got {pool_factor}")
+    if steps < 0 or kd_steps < 0 or calib_tokens <= 0:
+        _fail("--steps and --kd-steps must be >= 0, --calib-tokens positive")
+    work = work_dir or out.parent / f".{out.name}.parse-work"
+
+    def body():
+        import shutil
+        import time
+
+        if out.exists():
+            raise ValueError(f"{out} already exists; choose another output path or remove it first")
+        for label, p in [("calibration", calib_text)] + [("training", t) for t in train_text]:
+            _check_text(label, p)
+
+        from rankserve.compress.parse import TrainConfig, build_parse_checkpoint
+        from rankserve.workers.checkpoint import CheckpointError, read_config
+
+        read_config(dense)  # a missing or foreign checkpoint fails here, before any work
+        knobs = dict(windows=windows, window=window, prompt_len=prompt_len, batch_size=batch_size, kd_batch=kd_batch,
+                     seed=seed)
+        train = TrainConfig(**{k: v for k, v in knobs.items() if v is not None})
+        resumed = (work / "settings.json").is_file()  # the builder's mark of a work dir
+        if work.exists() and not resumed and any(work.iterdir()):
+            raise ValueError(f"work dir {work} exists and is not a train-parse work dir; pass another --work-dir")
+        if resumed and not resume:
+            shutil.rmtree(work)
+            resumed = False
+        created = not work.exists()
+        t0 = time.perf_counter()
+        try:
+            path = build_parse_checkpoint(dense, out, keep=keep, pool_factor=pool_factor, calib_text=calib_text,
+                                          train_text=list(train_text), steps=steps, kd_steps=kd_steps, base=base,
+                                          train=train, calib_tokens=calib_tokens, calib_seq_len=calib_seq_len,
+                                          group_size=group_size, work_dir=work, progress=not as_json)
+        except (ValueError, CheckpointError):
+            if created:  # bad input: nothing in it is reusable (other arguments make another run)
+                shutil.rmtree(work, ignore_errors=True)
+            raise
+        except KeyboardInterrupt:
+            _fail(f"interrupted; run the same command again to resume from {work}")
+        _, man = read_config(path)
+        st = man.methods["parse"]
+        tr = st["training"]
+        info = {"out": str(path), "base": base, "keep_requested": keep, "keep_static": st["keep_static"],
+                "keep_compute": st["keep_compute"], "keep": man.keep, "matrices": len(st["k"]),
+                "k": sum(st["k"].values()), "r_max": sum(st["r_max"].values()), "head_coverage": st["head_coverage"],
+                "heldout_rel_error": tr.get("heldout_rel_error"), "kd_heldout_kl_start": tr.get("kd_heldout_kl_start"),
+                "kd_heldout_kl": tr.get("kd_heldout_kl"), "resumed": resumed,
+                "seconds": round(time.perf_counter() - t0, 2)}
+        err = info["heldout_rel_error"] or {}
+        human = (f"PARSE ({base}) {dense} -> {path} in {info['seconds']:.1f} s{' (resumed)' if resumed else ''}: "
+                 f"{info['matrices']} routed matrices, "
+                 f"K {info['k']} of r_max {info['r_max']} components; keep {info['keep_compute']:.4f} of the compute "
+                 f"(K), {man.keep:.4f} of the memory (r_max)")
+        if err:
+            human += f"\n  held-out relative error: static {err['static']:.4f}, routers {err['router']:.4f}"
+        if info["kd_heldout_kl"] is not None:  # the start is unknown to a resumed end-to-end stage
+            start = info["kd_heldout_kl_start"]
+            human += f"; KL to dense {'' if start is None else f'{start:.4f} -> '}{info['kd_heldout_kl']:.4f}"
+        _emit(as_json, info, human)
+
+    _run(body)
+
+
+@app.command("build-rank-cache")
+def build_rank_cache_cmd(
+    model: Path = typer.Argument(..., help="the PARSE checkpoint the family serves"),
+    prompts: Path = typer.Option(..., "--prompts", help="text file, one prompt per line (blank lines skipped)"),
+    redis_url: str = typer.Option(..., "--redis-url", help="the Serve config's args.redis_url"),
+    family: str = typer.Option(..., "--family", help="the family's name in the Serve config (args.families)"),
+    threshold: float = typer.Option(0.9, "--threshold", help="skip a prompt whose nearest cached entry has at least "
+                                    "this cosine similarity, i.e. one the router would already answer; in (0, 1]"),
+    batch_size: int = typer.Option(32, "--batch-size", help="prompts per MiniLM embedding call"),
+    max_entries: int = typer.Option(10_000, "--max-entries", help="the space's size bound, as the Serve config's "
+                                    "rank_cache.max_entries (least recently used entries are evicted past it)"),
+    model_version: Optional[str] = typer.Option(None, "--model-version", help="the family's model_version when the "
+                                                "Serve config sets one (default: derived from MODEL, as the worker does)"),
+    device: str = typer.Option("cpu", "--device", help="route on the family's device and dtype: the same subsets"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on CUDA)"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Fill the rank cache offline from a file of prompts, for a PARSE family.
+
+    Each prompt is embedded with MiniLM (as the router does), routed with MODEL's PARSE routers (as the worker does on
+    a miss) and written to Redis the way the router's write-back does, so running routers see the entries at once.
+    Entries are independent: an interrupted run is resumed by running it again.
+    """
+    if not 0 < threshold <= 1:
+        _fail(f"--threshold must be in (0, 1], got {threshold}")
+    if batch_size < 1 or max_entries < 1:
+        _fail("--batch-size and --max-entries must be positive")
+
+    def body():
+        import time
+
+        from tqdm import tqdm
+
+        from rankserve.rank_cache import Embedder, RankCache
+        from rankserve.rank_cache import model_version as derive_version
+        from rankserve.rank_cache.store import REDIS_ERRORS
+
+        t0 = time.perf_counter()
+        if not prompts.is_file():
+            raise ValueError(f"prompts file {prompts} does not exist or is not a file")
+        lines = [l for l in prompts.read_text(encoding="utf-8", errors="replace").splitlines() if l.strip()]
+        if not lines:
+            raise ValueError(f"prompts file {prompts} holds no prompts (one per line)")
+        try:
+            cache = RankCache(redis_url, threshold=threshold, max_entries=max_entries, redis_timeout_s=5.0)
+        except ValueError as e:  # redis-py: not a redis://, rediss:// or unix:// URL
+            raise ValueError(f"bad --redis-url {redis_url}: {e}") from None
+        try:
+            try:  # before the model loads: a wrong URL fails in a second
+                cache.store.ping()
+            except REDIS_ERRORS as e:
+                raise ValueError(f"cannot reach Redis at {redis_url}: {e}") from None
+            from rankserve.workers.checkpoint import read_config
+            from rankserve.workers.engine import Engine
+
+            read_config(model)
+            version = model_version or derive_version(model)
+            cache.store.space(family, version)  # a family name that cannot be part of a key fails here
+            engine = Engine.load(model, device=device, dtype=_dtype(dtype))
+            if engine.routers is None:
+                raise ValueError(f"{model} has no PARSE routers (family {engine.manifest.family}); the rank cache "
+                                 f"holds PARSE subsets: build the model with `rankserve train-parse`")
+            cache.start([(family, version)])  # loads the space's entries: prompts already answered are skipped
+            if not cache.redis_up:
+                raise ValueError(f"cannot reach Redis at {redis_url}")
+            embedder = Embedder(device="cpu")
+            written = skipped = too_long = 0
+            seen: set[str] = set()
+            bar = tqdm(total=len(lines), desc=f"rank cache {family}", unit="prompt", disable=as_json)
+            for lo in range(0, len(lines), batch_size):
+                batch = lines[lo:lo + batch_size]
+                vecs = embedder.embed(batch)  # (B, 384)
+                for text, vec in zip(batch, vecs):
+                    bar.update()
+                    if text in seen or cache.lookup(family, version, vec) is not None:
+                        skipped += 1
+                        continue
+                    seen.add(text)
+                    try:
+                        subset = engine.rank_subset(text)
+                    except ValueError:  # longer than the context: the service refuses it too
+                        too_long += 1
+                        continue
+                    if cache.insert(family, version, vec, subset) is None:
+                        raise ValueError(f"Redis at {redis_url} stopped answering after {written} entries; run "
+                                         f"the command again to add the rest")
+                    written += 1
+            bar.close()
+            size = cache.size(family, version)
+        finally:
+            cache.close()
+        info = {"family": family, "model_version": version, "prompts": len(lines), "written": written,
+                "skipped": skipped, "too_long": too_long, "entries": size,
+                "seconds": round(time.perf_counter() - t0, 2)}
+        human = (f"{family} ({version}): {written} entries written, {skipped} skipped (repeats, or already answered "
+                 f"by a cached entry)"
+                 + (f", {too_long} longer than the context" if too_long else "")
+                 + f"; the space holds {size}; {info['seconds']:.1f} s")
+        _emit(as_json, info, human)
 
     _run(body)
 

@@ -1,8 +1,9 @@
 """The service end to end on CPU: real Ray Serve (configs/serve.local.yaml, ports moved to free ones), a real
-redis-server, real HTTP and gRPC over sockets, the two families built from the bundled model.
+redis-server, real HTTP and gRPC over sockets, the three families built from the bundled model (two static, one PARSE).
 
 Checks: HTTP, SSE, gRPC Generate and GenerateStream give `rankserve generate`'s greedy text; a similar prompt hits
-the rank cache (visible in /metrics); bad input is 400 / INVALID_ARGUMENT with a message; a missing or wrong key is
+the rank cache (visible in /metrics); the PARSE family runs its routers on a miss only, with the CLI's text for both
+the routed and the cached subset; bad input is 400 / INVALID_ARGUMENT with a message; a missing or wrong key is
 401 / UNAUTHENTICATED; a client that goes away cancels its generation; the request timeout answers 408 /
 DEADLINE_EXCEEDED; a full queue is refused with 503 / UNAVAILABLE; with Redis stopped the service still answers
 (and picks Redis up again).
@@ -119,9 +120,9 @@ def wait_for(cond, timeout=30.0, what="condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def cli_generate(model_dir: str, prompt: str, n: int) -> dict:
+def cli_generate(model_dir: str, prompt: str, n: int, *extra: str) -> dict:
     out = subprocess.run([sys.executable, "-m", "rankserve.cli", "generate", model_dir, "--prompt", prompt,
-                          "--max-new-tokens", str(n), "--json"], check=True, capture_output=True, text=True)
+                          "--max-new-tokens", str(n), "--json", *extra], check=True, capture_output=True, text=True)
     return json.loads(out.stdout)
 
 
@@ -161,7 +162,7 @@ def test_every_path_gives_the_cli_greedy_text(service, stub, family):
 def test_models_and_health(service):
     r = httpx.get(service.http_url + "/v1/models", headers=AUTH, timeout=10)
     assert r.status_code == 200
-    assert {m["id"] for m in r.json()["data"]} == {"svd-llm", "basis-sharing", "deadline"}
+    assert {m["id"] for m in r.json()["data"]} == {"svd-llm", "basis-sharing", "parse-svd-llm", "deadline"}
     # the router learned every family's model version at start (and loaded those rank-cache spaces from Redis)
     wait_for(lambda: all(m["model_version"] for m in httpx.get(service.http_url + "/v1/models", headers=AUTH,
                                                                 timeout=10).json()["data"]), what="model versions")
@@ -191,6 +192,52 @@ def test_similar_prompt_hits_the_rank_cache(service, stub):
              what="the hits to show in /metrics")
     assert metric(service, "ray_rankserve_rank_cache_misses_total", family=family) >= 1
     assert metric(service, "ray_rankserve_rank_cache_lookup_seconds_count", family=family) >= 3
+
+
+def test_parse_family_routes_on_a_miss_only(service, stub, redis, tmp_path):
+    """A miss runs the PARSE routers (the CLI's --parse choice and text); a repeat and a paraphrase hit the cache and
+    skip them, generating with the cached subset (the CLI's text for --subset with what Redis holds)."""
+    from rankserve.proto import rankserve_pb2 as pb
+    from rankserve.rank_cache import RedisStore
+    from rankserve.workers.parse import digest
+
+    family = "parse-svd-llm"
+    model_dir = service.app["args"]["families"][family]["model_dir"]
+    prompt = "The little cat climbed the tall tree to see the birds."
+    paraphrase = "The little cat climbed up the tall tree to see the birds."  # MiniLM cosine 0.98
+    runs = lambda: metric(service, "ray_rankserve_parse_router_runs_total", family=family)
+    runs0 = runs()
+    body = {"model": family, "prompt": prompt, "max_tokens": N, "temperature": 0}
+    miss = post(service, body)
+    assert miss.status_code == 200 and miss.headers["x-rankserve-rank-cache"] == "miss", miss.text
+    wait_for(lambda: runs() == runs0 + 1, what="the router run to show in /metrics")
+
+    version = next(m["model_version"] for m in httpx.get(service.http_url + "/v1/models", headers=AUTH,
+                                                         timeout=10).json()["data"] if m["id"] == family)
+    store = RedisStore(redis.url)
+    try:  # the router's write-back of the worker's choice: the family's space holds this one entry
+        wait_for(lambda: len(store.entries(family, version)[0]) == 1, what="the write-back to Redis")
+        (cached,) = store.entries(family, version)[2]
+    finally:
+        store.close()
+    routed = cli_generate(model_dir, prompt, N, "--parse")
+    assert routed["subset"]["digest"] == digest(cached)
+    assert miss.json()["choices"][0]["text"] == routed["text"]
+
+    hit = post(service, body)
+    assert hit.headers["x-rankserve-rank-cache"] == "hit" and hit.json()["choices"][0]["text"] == routed["text"]
+    rep = stub.Generate(pb.GenerateRequest(model=family, prompt=paraphrase, max_tokens=N, temperature=0.0),
+                        metadata=GRPC_AUTH, timeout=60)
+    assert rep.rank_cache_hit
+    (tmp_path / "subset.json").write_text(json.dumps(cached))
+    assert rep.text == cli_generate(model_dir, paraphrase, N, "--subset", str(tmp_path / "subset.json"))["text"]
+
+    # The hits ran no routers: a later miss on the same replica is the only other run. Its count arrives with (or
+    # after) any the hits would have made, so seeing it means the hits' are in too.
+    other = post(service, {**body, "prompt": "Tom found a shiny red box under his bed."})
+    assert other.headers["x-rankserve-rank-cache"] == "miss"
+    wait_for(lambda: runs() >= runs0 + 2, what="the second router run to show in /metrics")
+    assert runs() == runs0 + 2
 
 
 # ---- bad input, auth -------------------------------------------------------------------------------------------

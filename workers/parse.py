@@ -2,6 +2,7 @@
 
     routers = load_parse(model_dir, model)          # None for a checkpoint without PARSE routers
     subset = select(model, routers, prompt_ids)     # {"v": 1, "k": {proj: [indices...]}}, JSON-serialisable
+    digest(subset)                                  # "sha256:…": a short name for logs and `generate --json`
     apply(model, [validate(subset, routers)])       # FactorizedLinear.mask = (B, r_max) 0/1 rows
     ... prefill and every decode step of the request (rank reuse) ...
     clear(model)
@@ -16,6 +17,8 @@ and one GEMV per matrix, R x̄ + b; the serving layer skips it on a rank-cache h
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +144,13 @@ def validate(subset: dict, routers: Routers) -> dict:
             raise ValueError(f"rank subset {n}: indices must be in [0, {routers.r_max[n]}), got {min(idx)}..{max(idx)}")
         out[n] = sorted(idx)
     return {"v": SUBSET_VERSION, "k": out}
+
+
+def digest(subset: dict) -> str:
+    """A short stable name of a subset ("sha256:" + 16 hex digits of its canonical JSON, indices sorted): two
+    subsets choose the same components exactly when their digests match (up to hash collisions)."""
+    canon = {"v": subset["v"], "k": {n: sorted(idx) for n, idx in subset["k"].items()}}
+    return "sha256:" + hashlib.sha256(json.dumps(canon, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 def apply(model: Transformer, subsets: list[dict | None]) -> None:
