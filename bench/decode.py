@@ -41,6 +41,9 @@ from rankserve.workers.kv_cache import KVCache
 from rankserve.workers.model import PROJS, Transformer, proj_name
 
 FAMILIES = ("svd-llm", "dobi", "basis-sharing")
+# optional rows (--extra-rows): decoder options under evaluation, each timed as "ours-step-<name>" with a greedy check
+EXTRA_ROWS = {"fusedattn": dict(attn_merge="fused"), "persist4": dict(persistent=4), "persist8": dict(persistent=8),
+              "fusedattn-persist4": dict(attn_merge="fused", persistent=4)}
 DTYPES = {"cuda": torch.bfloat16, "cpu": torch.float32}  # the CPU run is a smoke test of this script, not a figure
 
 
@@ -372,6 +375,15 @@ def run_case(res: dict, cfg, family, keep, P, B, args, bw, dense_cache) -> None:
         add("ours-graph-layer", lambda: time_fast(make_decoder(model, B, S, "triton", "layer"), P, n, reps))
         add("ours-graph-step-cublas", lambda: time_fast(make_decoder(model, B, S, "triton", "step", "cublas"), P, n,
                                                         reps), gemv="cublas")
+    for name in args.extra_rows:
+        kw = EXTRA_ROWS[name]
+        add(f"ours-step-{name}", lambda: time_fast(make_decoder(model, B, S, "triton", "step", **kw), P, n, reps), **kw)
+        try:
+            case[f"greedy_check_{name}"] = greedy_match(model, make_decoder(model, B, P + 65, "triton", "step", **kw),
+                                                        P, 64)
+            print(f"  greedy check {name}: {case[f'greedy_check_{name}']}", flush=True)
+        except Exception as e:
+            case[f"greedy_check_{name}"] = dict(error=f"{type(e).__name__}: {e}")
     if B == 1 and P == args.prompts[0]:
         try:
             case["greedy_check"] = greedy_match(model, make_decoder(model, B, P + 65, "triton", "step"), P, 64)
@@ -541,6 +553,9 @@ def markdown(paths: list[str]) -> str:
                              f"{r['mbu'] * 100:.0f}% | {sp} |")
             if "greedy_check" in c:
                 lines.append(f"\nGreedy check (fast path vs eager runtime, bf16, 64 steps, teacher-forced): {c['greedy_check']}")
+            for k_, v_ in c.items():
+                if k_.startswith("greedy_check_"):
+                    lines.append(f"\nGreedy check of ours-step-{k_[len('greedy_check_'):]}: {v_}")
             if "compile_s" in c:
                 lines.append(f"\ntorch.compile warm-up: {c['compile_s']:.0f} s")
             lines.append("")
@@ -589,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", nargs="*", default=[],
                     help="rows to skip: hf-dense hf-lowrank eager torch-graph; 'variants' = the per-layer-graph and "
                          "cuBLAS rows except in the first case")
+    ap.add_argument("--extra-rows", nargs="*", default=[], choices=sorted(EXTRA_ROWS),
+                    help="also time these decoder options (rows ours-step-<name>)")
     ap.add_argument("--cases", nargs="*", default=None,
                     help="explicit cases family:keep:prompt:batch (replaces the default plan of cases)")
     ap.add_argument("--budget-s", type=float, default=540, help="stop starting new cases after this many seconds")

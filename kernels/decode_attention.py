@@ -36,9 +36,10 @@ except ImportError:
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_seqlens_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
                          stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                          stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+                         counter_ptr, out_ptr, stride_ob, stride_oh,
                          G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
-                         PDL: tl.constexpr):
+                         PDL: tl.constexpr, FUSED_MERGE: tl.constexpr, SPLITS_PAD: tl.constexpr):
     if PDL:  # q and the newest key come from the previous kernel: wait for it before any load
         gdc_launch_dependents()
         gdc_wait()
@@ -85,6 +86,30 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_seqlens_ptr, mid_o_ptr, mid_
     tl.store(mid_o_ptr + b * stride_mb + offs_h[:, None] * stride_mh + split * stride_ms + offs_d[None, :], o,
              mask=mask_g[:, None] & mask_d[None, :])
     tl.store(mid_lse_ptr + b * stride_lb + offs_h * stride_lh + split, lse, mask=mask_g)
+    if FUSED_MERGE:
+        # the last split to finish for this (row, kv head) merges the group's partials (no second launch).
+        # Barrier: all of this program's partial stores are issued before its counter increment (acq_rel).
+        tl.debug_barrier()
+        cnt_ptr = counter_ptr + b * tl.num_programs(1) + hk
+        done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
+        if done == NUM_SPLITS - 1:
+            offs_s = tl.arange(0, SPLITS_PAD)
+            mask_s = offs_s < NUM_SPLITS
+            lse_all = tl.load(mid_lse_ptr + b * stride_lb + offs_h[:, None] * stride_lh + offs_s[None, :],
+                              mask=mask_g[:, None] & mask_s[None, :], other=float("-inf"),
+                              cache_modifier=".cg")  # (BLOCK_H, SPLITS_PAD), read from L2: other SMs wrote it
+            m = tl.where(mask_g, tl.max(lse_all, axis=1), 0.0)  # split 0 is never empty
+            w = tl.exp2(lse_all - m[:, None])  # 0 for empty splits
+            merged = tl.zeros((BLOCK_H, D_PAD), dtype=tl.float32)
+            for s in range(NUM_SPLITS):
+                o_s = tl.load(mid_o_ptr + b * stride_mb + offs_h[:, None] * stride_mh + s * stride_ms + offs_d[None, :],
+                              mask=mask_g[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
+                w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), axis=1)  # (BLOCK_H,)
+                merged += w_s[:, None] * o_s
+            merged = merged / tl.where(mask_g, tl.sum(w, axis=1), 1.0)[:, None]
+            tl.store(out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
+                     merged.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+            tl.atomic_xchg(cnt_ptr, 0)  # ready for the next step
 
 
 @triton.jit
@@ -120,14 +145,18 @@ def default_num_splits(S_max: int, B: int, H_kv: int, num_sms: int = 132) -> int
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
                      *, num_splits: int, out: torch.Tensor | None = None, mid_o: torch.Tensor | None = None,
-                     mid_lse: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+                     mid_lse: torch.Tensor | None = None, pdl: bool = False,
+                     counter: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per row over keys 0..cache_seqlens[b] inclusive, scale 1/sqrt(D).
 
     q: (B, H, D) bf16 (GPU) or fp32, unit stride on D. k_cache, v_cache: (B, S_max, H_kv, D), same dtype,
     unit stride on D; H a multiple of H_kv (GQA/MQA/MHA). cache_seqlens: (B,) int32 on device.
     num_splits: fixed split-K factor (default_num_splits(S_max, B, H_kv)).
     out: optional (B, H, D) q.dtype. mid_o (B, H, num_splits, D) and mid_lse (B, H, num_splits): optional
-    fp32 scratch. pdl: programmatic dependent launch (Hopper+). Returns out. Two launches, no host sync.
+    fp32 scratch. pdl: programmatic dependent launch (Hopper+).
+    counter: optional (B, H_kv) int32 zeros: one launch instead of two, the last split program of each (row, kv head)
+    merges the partials (an atomic counter it resets to 0 afterwards, so the buffer is reusable across steps).
+    Returns out. No host sync.
     """
     B, H, D = q.shape
     _, S_max, H_kv, _ = k_cache.shape
@@ -142,7 +171,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if mid_lse is None:
         mid_lse = torch.empty(B, H, num_splits, device=q.device, dtype=torch.float32)
     BLOCK_N, num_warps, num_stages = _decode_config(G, D, q.is_cuda)
-    _launch_decode(q, k_cache, v_cache, cache_seqlens, out, mid_o, mid_lse, BLOCK_N, num_warps, num_stages, pdl)
+    if counter is not None:
+        assert counter.shape == (B, H_kv) and counter.dtype == torch.int32 and counter.is_contiguous(), \
+            "counter wants (B, H_kv) int32 zeros"
+    _launch_decode(q, k_cache, v_cache, cache_seqlens, out, mid_o, mid_lse, BLOCK_N, num_warps, num_stages, pdl,
+                   counter)
     return out
 
 
@@ -155,7 +188,7 @@ def _decode_config(G: int, D: int, on_gpu: bool) -> tuple[int, int, int]:
 
 
 def _launch_decode(q, k_cache, v_cache, cache_seqlens, out, mid_o, mid_lse, BLOCK_N, num_warps, num_stages,
-                   pdl: bool = False):
+                   pdl: bool = False, counter: torch.Tensor | None = None):
     B, H, D = q.shape
     H_kv = k_cache.shape[2]
     G = H // H_kv
@@ -166,9 +199,13 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, out, mid_o, mid_lse, BLOC
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        counter if counter is not None else cache_seqlens, out, out.stride(0), out.stride(1),
         G=G, D=D, D_PAD=D_PAD, BLOCK_H=max(16, triton.next_power_of_2(G)), BLOCK_N=BLOCK_N,
         NUM_SPLITS=num_splits, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
+        FUSED_MERGE=counter is not None, SPLITS_PAD=triton.next_power_of_2(num_splits),
         num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl))
+    if counter is not None:
+        return
     _decode_merge_kernel[(B, H)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), D=D, D_PAD=D_PAD, NUM_SPLITS=num_splits,

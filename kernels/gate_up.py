@@ -18,21 +18,22 @@ def _gate_up_u_kernel(t_ptr, Ug_ptr, Uu_ptr, h_ptr, B, N, rg, ru, stride_t, stri
     # grid (cdiv(N, BLOCK_N),): h[b, n] = silu(sum_j t[b, j] Ug[n, j]) * sum_j t[b, rg + j] Uu[n, j]
     if PDL:
         gdc_launch_dependents()
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    g = _gemv_tile(t_ptr, stride_t, Ug_ptr, stride_ug, offs_n, mask_n, B, rg, 0.0, B_PAD, BLOCK_N, BLOCK_K,
-                   False, PDL)
-    u = _gemv_tile(t_ptr + rg, stride_t, Uu_ptr, stride_uu, offs_n, mask_n, B, ru, 0.0, B_PAD, BLOCK_N, BLOCK_K,
-                   False, False)
-    h = g / (1.0 + tl.exp(-g)) * u  # (B_PAD, BLOCK_N) fp32
-    offs_b = tl.arange(0, B_PAD)
-    tl.store(h_ptr + offs_b[:, None] * stride_h + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
-             mask=(offs_b[:, None] < B) & mask_n[None, :])
+    for nb in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):  # persistent when grid < blocks
+        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        g = _gemv_tile(t_ptr, stride_t, Ug_ptr, stride_ug, offs_n, mask_n, B, rg, 0.0, B_PAD, BLOCK_N, BLOCK_K,
+                       False, PDL)
+        u = _gemv_tile(t_ptr + rg, stride_t, Uu_ptr, stride_uu, offs_n, mask_n, B, ru, 0.0, B_PAD, BLOCK_N,
+                       BLOCK_K, False, False)
+        h = g / (1.0 + tl.exp(-g)) * u  # (B_PAD, BLOCK_N) fp32
+        offs_b = tl.arange(0, B_PAD)
+        tl.store(h_ptr + offs_b[:, None] * stride_h + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=(offs_b[:, None] < B) & mask_n[None, :])
 
 
 def gate_up(x: torch.Tensor, Vgu: torch.Tensor, Ug: torch.Tensor, Uu: torch.Tensor, *,
             out: torch.Tensor | None = None, t: torch.Tensor | None = None, norm_eps: float | None = None,
-            keep: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+            keep: torch.Tensor | None = None, pdl: bool = False, grid_cap: int = 0) -> torch.Tensor:
     """h = silu(Ug (Vg x)) * (Uu (Vu x)) for each row of x.
 
     x: (B, hidden) already RMS-normed, bf16 (GPU) or fp32, B <= 8. Vgu: (rg + ru, hidden), gate then up input
@@ -40,7 +41,7 @@ def gate_up(x: torch.Tensor, Vgu: torch.Tensor, Ug: torch.Tensor, Uu: torch.Tens
     out: optional (B, inter) x.dtype; t: optional (B, rg + ru) fp32 scratch.
     norm_eps: x is the raw residual stream, RMS-normalized inside the first GEMV (norm weight folded into Vgu).
     keep: optional (B, rg + ru) 0/1 mask of each row's rank components (PARSE). pdl: programmatic dependent
-    launch (Hopper+).
+    launch (Hopper+). grid_cap: at most this many programs per launch (persistent programs; 0 = one per block).
     Returns h (B, inter). Two launches, no host sync.
     """
     B = x.shape[0]
@@ -52,9 +53,10 @@ def gate_up(x: torch.Tensor, Vgu: torch.Tensor, Ug: torch.Tensor, Uu: torch.Tens
         t = torch.empty(B, rg + ru, device=x.device, dtype=torch.float32)
     if out is None:
         out = torch.empty(B, N, device=x.device, dtype=x.dtype)
-    gemv(x, Vgu, out=t, norm_eps=norm_eps, keep=keep, pdl=pdl)  # (B, rg + ru) fp32
+    gemv(x, Vgu, out=t, norm_eps=norm_eps, keep=keep, pdl=pdl, grid_cap=grid_cap)  # (B, rg + ru) fp32
     BLOCK_N, BLOCK_K, num_warps, num_stages = gemv_config(B, N, x.is_cuda)
-    _gate_up_u_kernel[(triton.cdiv(N, BLOCK_N),)](
+    blocks = triton.cdiv(N, BLOCK_N)
+    _gate_up_u_kernel[(min(blocks, grid_cap) if grid_cap > 0 else blocks,)](
         t, Ug, Uu, out, B, N, rg, ru, t.stride(0), Ug.stride(0), Uu.stride(0), out.stride(0),
         B_PAD=pad_rows(B), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
         **launch_opts(pdl))

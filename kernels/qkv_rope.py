@@ -82,7 +82,7 @@ def qkv_rope(x: torch.Tensor, Vqkv: torch.Tensor, Uq: torch.Tensor, Uk: torch.Te
              cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              cache_seqlens: torch.Tensor, *, q_out: torch.Tensor | None = None,
              t: torch.Tensor | None = None, norm_eps: float | None = None, keep: torch.Tensor | None = None,
-             pdl: bool = False) -> torch.Tensor:
+             pdl: bool = False, grid_cap: int = 0) -> torch.Tensor:
     """q of the current token, with k and v appended to the cache; all projections low-rank.
 
     x: (B, hidden) already RMS-normed, bf16 (GPU) or fp32. Vqkv: (rq + rk + rv, hidden), the q, k, v input
@@ -93,7 +93,7 @@ def qkv_rope(x: torch.Tensor, Vqkv: torch.Tensor, Uq: torch.Tensor, Uk: torch.Te
     q_out: optional (B, H, D) x.dtype; t: optional (B, rq + rk + rv) fp32 scratch.
     norm_eps: x is the raw residual stream; RMS-normalize it inside the first GEMV (the norm weight folded into
     Vqkv's columns by the caller). keep: optional (B, rq + rk + rv) 0/1 mask of each row's rank components
-    (PARSE). pdl: programmatic dependent launch (Hopper+).
+    (PARSE). pdl: programmatic dependent launch (Hopper+). grid_cap: program cap of the first GEMV (see gemv).
     Returns q (B, H, D), RoPE applied. Two launches, no host sync.
     """
     B = x.shape[0]
@@ -107,7 +107,7 @@ def qkv_rope(x: torch.Tensor, Vqkv: torch.Tensor, Uq: torch.Tensor, Uk: torch.Te
         t = torch.empty(B, rq + rk + rv, device=x.device, dtype=torch.float32)
     if q_out is None:
         q_out = torch.empty(B, H, D, device=x.device, dtype=x.dtype)
-    gemv(x, Vqkv, out=t, norm_eps=norm_eps, keep=keep, pdl=pdl)  # (B, rq + rk + rv) fp32
+    gemv(x, Vqkv, out=t, norm_eps=norm_eps, keep=keep, pdl=pdl, grid_cap=grid_cap)  # (B, rq + rk + rv) fp32
     HALF = D // 2
     BLOCK_N, BLOCK_K, num_warps, num_stages = gemv_config(B, (H + 2 * HKV) * D, x.is_cuda)
     BLOCK_D = max(min(BLOCK_N, triton.next_power_of_2(HALF)), 1 if B == 1 else 16)  # tl.dot wants >= 16

@@ -94,3 +94,21 @@ def test_greedy_tokens_match_eager_on_bundled_model(backend):
             fast.append(int(logits.argmax(-1)))
             logits = dec.step(torch.tensor([fast[-1]]))
     assert fast == eager
+
+
+@pytest.mark.parametrize("kind", ["uneven", "mixed"])
+def test_fused_merge_and_persistent_programs_match_eager(kind):
+    """attn_merge='fused' (one attention launch, atomic counters) and persistent GEMV programs give eager logits."""
+    model = _model(kind)
+    B, P, n = 2, 5, 4
+    prompt = torch.randint(0, CFG.vocab_size, (B, P))
+    steps = [torch.randint(0, CFG.vocab_size, (B,)) for _ in range(n)]
+    with torch.no_grad():
+        ref = _eager_logits(model, prompt, steps)
+        dec = FastDecoder(model, DecodeConfig(batch_size=B, max_seq_len=40, graph="none", fuse_norm=True,
+                                              attn_merge="fused", persistent=2))
+        got = [dec.prefill(prompt)] + [dec.step(t).clone() for t in steps]
+    for s, (a, b) in enumerate(zip(got, ref)):
+        err = float((a - b).abs().max() / b.abs().max())
+        assert err <= 1e-4, f"step {s}: relative error {err}"
+    assert int(dec.attn_counter.abs().sum()) == 0

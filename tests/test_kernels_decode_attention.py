@@ -32,15 +32,22 @@ def make_inputs(B, H, H_kv, D, S_max, dtype):
     (6, 1, 24, 33, 1),     # MQA, head dim not a power of two, no split
     (4, 2, 32, 150, 16),   # more splits than a short row needs (empty splits)
 ])
-def test_decode_attention(B, H, H_kv, D, S_max, num_splits, dtype):
+@pytest.mark.parametrize("fused_merge", [False, True])
+def test_decode_attention(B, H, H_kv, D, S_max, num_splits, dtype, fused_merge):
     seed = fresh_seed()
     q, k_cache, v_cache, cache_seqlens = make_inputs(B, H, H_kv, D, S_max, dtype)
-    out = nan_like((B, H, D), dtype)
-    mid_o, mid_lse = nan_like((B, H, num_splits, D), torch.float32), nan_like((B, H, num_splits), torch.float32)
-    decode_attention(q, k_cache, v_cache, cache_seqlens, num_splits=num_splits, out=out, mid_o=mid_o, mid_lse=mid_lse)
-    what = f"decode_attention B={B} H={H} H_kv={H_kv} D={D} S_max={S_max} splits={num_splits} {dtype} seed={seed}"
-    assert_close(out, decode_attention_ref(*to64(q, k_cache, v_cache), cache_seqlens),
-                 decode_attention_ref(q, k_cache, v_cache, cache_seqlens), what)
+    counter = torch.zeros(B, H_kv, dtype=torch.int32, device=DEVICE) if fused_merge else None
+    what = (f"decode_attention B={B} H={H} H_kv={H_kv} D={D} S_max={S_max} splits={num_splits} {dtype} "
+            f"fused_merge={fused_merge} seed={seed}")
+    for step in range(2):  # the fused merge resets its counters: a second call (the next decode step) works too
+        out = nan_like((B, H, D), dtype)
+        mid_o, mid_lse = nan_like((B, H, num_splits, D), torch.float32), nan_like((B, H, num_splits), torch.float32)
+        decode_attention(q, k_cache, v_cache, cache_seqlens, num_splits=num_splits, out=out, mid_o=mid_o,
+                         mid_lse=mid_lse, counter=counter)
+        assert_close(out, decode_attention_ref(*to64(q, k_cache, v_cache), cache_seqlens),
+                     decode_attention_ref(q, k_cache, v_cache, cache_seqlens), what + f" step {step}")
+        if counter is not None:
+            assert int(counter.abs().sum()) == 0, what + ": counters not reset"
 
 
 def test_flash_attn_decode_and_default_splits():

@@ -41,3 +41,14 @@ def test_gate_up_fused_rmsnorm(B):
     xn_base = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps) * g.float()).to(dtype)
     assert_close(h, gate_up_ref(xn, *to64(Vgu, Ug, Uu)), gate_up_ref(xn_base, Vgu, Ug, Uu),
                  f"gate_up norm B={B} seed={seed}")
+
+
+def test_gate_up_persistent_programs():
+    seed = fresh_seed()
+    dtype = DTYPES[0]
+    x = randn(2, 48, dtype=dtype)
+    Vgu = randn(30, 48, dtype=dtype, scale=48 ** -0.5)
+    Ug, Uu = randn(150, 14, dtype=dtype, scale=14 ** -0.5), randn(150, 16, dtype=dtype, scale=16 ** -0.5)
+    h = nan_like((2, 150), dtype)
+    gate_up(x, Vgu, Ug, Uu, out=h, grid_cap=2)
+    assert_close(h, gate_up_ref(*to64(x, Vgu, Ug, Uu)), gate_up_ref(x, Vgu, Ug, Uu), f"gate_up grid_cap=2 seed={seed}")

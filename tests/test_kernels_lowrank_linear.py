@@ -77,3 +77,17 @@ def test_residual_needs_out():
     x = randn(1, 8, dtype=DTYPES[0])
     with pytest.raises(AssertionError, match="residual"):
         gemv(x, randn(4, 8, dtype=DTYPES[0]), residual=True)
+
+
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("grid_cap", [1, 3])
+def test_persistent_programs_cover_every_block(B, grid_cap):
+    """grid_cap: fewer programs than blocks, each striding over several blocks, gives the same result."""
+    seed = fresh_seed()
+    dtype = DTYPES[0]
+    x = randn(B, 70, dtype=dtype)
+    V, U = randn(45, 70, dtype=dtype, scale=70 ** -0.5), randn(130, 45, dtype=dtype, scale=45 ** -0.5)
+    y = nan_like((B, 130), dtype)
+    lowrank_linear(x, V, U, out=y, grid_cap=grid_cap)
+    assert_close(y, lowrank_linear_ref(*to64(x, V, U)), lowrank_linear_ref(x, V, U),
+                 f"lowrank_linear grid_cap={grid_cap} B={B} seed={seed}")

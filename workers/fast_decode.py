@@ -41,8 +41,18 @@ class DecodeConfig:
     # programmatic dependent launch: "auto" = on at B = 1 on Hopper+ with a triton that has it (B = 8 measured
     # slower with it) | "on" | "off"
     pdl: str = "auto"
+    # decode attention: "separate" (split kernel + merge kernel) or "fused" (the last split program of each row and
+    # kv head merges, counted with an atomic: one launch a layer fewer)
+    attn_merge: str = "separate"
+    # Triton GEMVs: cap the grid at this many programs per SM (persistent programs striding over blocks); 0 = one
+    # program per block of rows. On CPU (interpreter) the number is the program count itself.
+    persistent: int = 0
 
     def __post_init__(self) -> None:
+        if self.attn_merge not in ("separate", "fused"):
+            raise ValueError(f"attn_merge must be 'separate' or 'fused', got {self.attn_merge!r}")
+        if self.persistent < 0:
+            raise ValueError(f"persistent must be >= 0, got {self.persistent}")
         if self.pdl not in ("auto", "on", "off"):
             raise ValueError(f"pdl must be 'auto', 'on' or 'off', got {self.pdl!r}")
         if self.gemv not in ("auto", "triton", "cublas"):
@@ -148,6 +158,8 @@ class FastDecoder:
                 raise ValueError("pdl='on' needs a Hopper-or-newer GPU and a triton with griddepcontrol")
             self.pdl = dcfg.pdl == "on" or (dcfg.pdl == "auto" and B == 1 and _ll.pdl_supported(dev))
             self.num_splits = dcfg.num_splits or _attn.default_num_splits(dcfg.max_seq_len, B, cfg.num_key_value_heads)
+            sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+            self.grid_cap = dcfg.persistent * sms
         if packed is not None and any(l.folded != (self.fuse and l.factorized) for l in packed):
             raise ValueError("the packed layers were built for another fuse_norm setting")
         self.layers = packed or [_Layer(blk, cfg, fold=self.fuse) for blk in model.layers]  # may be shared
@@ -176,6 +188,8 @@ class FastDecoder:
         if self.use_triton:
             self.mid_o = z(B, H, self.num_splits, D, dtype=torch.float32)
             self.mid_lse = z(B, H, self.num_splits, dtype=torch.float32)
+            # fused merge: per (row, kv head) arrival counters, reset to 0 by the kernel itself after each merge
+            self.attn_counter = z(B, Hkv, dtype=torch.int32) if dcfg.attn_merge == "fused" else None
         self._graphs: list[torch.cuda.CUDAGraph] | None = None
 
     # --- prefill ---------------------------------------------------------------------------------
@@ -211,7 +225,8 @@ class FastDecoder:
 
     def _finish(self) -> None:
         if self.fuse and not self._pending:  # one GEMV: final norm (folded into head_n) + head, fp32 logits
-            self._k["ll"].gemv(self.x, self.head_n, out=self.logits, norm_eps=self.cfg.rms_norm_eps, pdl=self.pdl)
+            self._k["ll"].gemv(self.x, self.head_n, out=self.logits, norm_eps=self.cfg.rms_norm_eps, pdl=self.pdl,
+                               grid_cap=self.grid_cap)
         else:
             self._norm(self.y if self._pending else self.x, self.model.norm.weight, self.h,
                        residual=self.x if self._pending else None)
@@ -242,21 +257,22 @@ class FastDecoder:
 
     def _layer_fused(self, i: int) -> None:
         """Ten kernels: norms inside the V GEMVs, residual adds in the o/down epilogues; x is the residual stream."""
-        L, B, eps, pdl = self.layers[i], self.dcfg.batch_size, self.cfg.rms_norm_eps, self.pdl
+        L, B, eps, pdl, cap = self.layers[i], self.dcfg.batch_size, self.cfg.rms_norm_eps, self.pdl, self.grid_cap
         kc, vc = self.cache.k[i], self.cache.v[i]  # (B, S_max, H_kv, D)
         k = self._k
         k["qkv"].qkv_rope(self.x, L.Vqkv, L.Uq, L.Uk, L.Uv, self.cos, self.sin, kc, vc, self.cache.seqlens,
-                          q_out=self.q, t=self.t[:, :sum(L.qkv_split)], norm_eps=eps, keep=L.keep_qkv, pdl=pdl)
+                          q_out=self.q, t=self.t[:, :sum(L.qkv_split)], norm_eps=eps, keep=L.keep_qkv, pdl=pdl,
+                          grid_cap=cap)
         k["attn"].decode_attention(self.q, kc, vc, self.cache.seqlens, num_splits=self.num_splits, out=self.a,
-                                   mid_o=self.mid_o, mid_lse=self.mid_lse, pdl=pdl)
+                                   mid_o=self.mid_o, mid_lse=self.mid_lse, pdl=pdl, counter=self.attn_counter)
         o = L.proj["o"]
         k["ll"].lowrank_linear(self.a.view(B, -1), o.V, o.U, out=self.x, t=self.t[:, :o.rank], residual=True,
-                               keep=L.keep_o, pdl=pdl)
+                               keep=L.keep_o, pdl=pdl, grid_cap=cap)
         k["gu"].gate_up(self.x, L.Vgu, L.Ug, L.Uu, out=self.m, t=self.t[:, :sum(L.gu_split)], norm_eps=eps,
-                        keep=L.keep_gu, pdl=pdl)
+                        keep=L.keep_gu, pdl=pdl, grid_cap=cap)
         d = L.proj["down"]
         k["ll"].lowrank_linear(self.m, d.V, d.U, out=self.x, t=self.t[:, :d.rank], residual=True, keep=L.keep_down,
-                               pdl=pdl)
+                               pdl=pdl, grid_cap=cap)
 
     def _layer_unfused(self, i: int) -> None:
         L, B = self.layers[i], self.dcfg.batch_size
@@ -273,7 +289,7 @@ class FastDecoder:
             self._qkv_torch(L, kc, vc, seqlens)
         if self.use_triton:
             self._k["attn"].decode_attention(self.q, kc, vc, seqlens, num_splits=self.num_splits, out=self.a,
-                                             mid_o=self.mid_o, mid_lse=self.mid_lse)
+                                             mid_o=self.mid_o, mid_lse=self.mid_lse, counter=self.attn_counter)
         else:
             self._attention_torch(kc, vc, seqlens)
         self._linear(L.proj["o"], self.a.view(B, -1), self.y, fused, L.keep_o)
