@@ -141,7 +141,16 @@ def main(argv: list[str] | None = None) -> int:
         slot_bytes = weight_bytes_read(slots.model)
         entry["union_over_k"] = statistics.mean(sizes[n_] / K[n_] for n_ in K)
         entry["rows"].append(row("parse-slots", time_fast(slots.decoder, P, n, reps), slot_bytes, bw, B))
-        entry["slot_load_ms"] = _median_ms(lambda: slots.load(subsets))
+        other = random_subsets(routers, B, seed=B + 100)
+        flip = {"i": 0}
+
+        def load_new():  # alternate two batches: every call gathers
+            flip["i"] ^= 1
+            slots.load(other if flip["i"] else subsets)
+
+        entry["slot_load_ms"] = _median_ms(load_new)
+        slots.load(subsets)
+        entry["slot_reload_same_ms"] = _median_ms(lambda: slots.load(subsets))  # a repeated batch: nothing gathered
         entry["check"] = check(pool, slots, subsets)
         # prefill: B rows sharing args.prefill_tokens tokens
         Pp = max(16, args.prefill_tokens // B)
@@ -158,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             entry["route_ms"] = _median_ms(lambda: select_batch(pool, routers, xr), n=3)
         for r in entry["rows"]:
             print(f"B={B} {r['row']:12s} {r['ms_per_token']:.3f} ms/token MBU {r['mbu']:.2f}", flush=True)
-        print(f"B={B}: union/K {entry['union_over_k']:.2f}, slot load {entry['slot_load_ms']:.1f} ms, prefill "
+        print(f"B={B}: union/K {entry['union_over_k']:.2f}, slot load {entry['slot_load_ms']:.1f} ms "
+              f"(same batch again {entry['slot_reload_same_ms']:.1f} ms), prefill "
               f"{entry['prefill_static_ms']:.1f} vs {entry['prefill_parse_ms']:.1f} ms, route {entry['route_ms']:.1f} ms, "
               f"check {entry['check']}", flush=True)
         del slots
@@ -186,9 +196,10 @@ def markdown(paths: list[str]) -> str:
         for e in d["batches"]:
             s, q = (next(r for r in e["rows"] if r["row"] == name) for name in ("static", "parse-slots"))
             c = e["check"]
+            reload = f" (repeat: {e['slot_reload_same_ms']:.1f})" if "slot_reload_same_ms" in e else ""
             lines.append(f"| {e['batch']} | {s['ms_per_token']:.3f} | {q['ms_per_token']:.3f} | "
                          f"{q['ms_per_token'] / s['ms_per_token']:.2f}× | {e['union_over_k']:.2f} | "
-                         f"{e['slot_load_ms']:.1f} | {e['prefill_static_ms']:.1f} / {e['prefill_parse_ms']:.1f} "
+                         f"{e['slot_load_ms']:.1f}{reload} | {e['prefill_static_ms']:.1f} / {e['prefill_parse_ms']:.1f} "
                          f"({e['prefill_parse_ms'] / e['prefill_static_ms']:.2f}×, {e['batch']}×"
                          f"{e['prefill_tokens_per_row']} tokens) | {e['route_ms']:.1f} | "
                          f"{c['max_rel_err']:.1e}, {c['argmax_agreement']:.2f} |")

@@ -83,6 +83,10 @@ def test_reload_changes_the_subset_without_rebuilding():
             assert float((outs[-1] - ref).abs().max() / ref.abs().max()) <= 1e-4
     assert {n: l.V.data_ptr() for n, l in slots.model.projections().items()} == ptrs
     assert not torch.allclose(outs[0], outs[1])
+    slots.load([_subset(routers, 2)])  # the same subset again (a repeated prompt): nothing to gather
+    assert slots.last_changed == 0
+    slots.load([_subset(routers, 1)])
+    assert slots.last_changed == len(routers.k)
 
 
 def test_load_rejects_a_wrong_batch():
