@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from rankserve.workers.align import pad_ranks
 from rankserve.workers.config import ModelConfig, preset
 from rankserve.workers.fast_decode import DecodeConfig, FastDecoder
 from rankserve.workers.kv_cache import KVCache
@@ -80,7 +81,9 @@ def plan_ranks(cfg: ModelConfig, family: str, keep: float, seed: int = 0) -> tup
     return ranks, groups
 
 
-def build_model(cfg: ModelConfig, ranks: dict, groups: dict, device: str, dtype: torch.dtype, seed: int = 0) -> Transformer:
+def build_model(cfg: ModelConfig, ranks: dict, groups: dict, device: str, dtype: torch.dtype, seed: int = 0,
+                align: int = 1) -> Transformer:
+    """Random factors at the given ranks; align > 1 zero-pads ranks as the engine does on CUDA (workers/align.py)."""
     torch.manual_seed(seed)
     m = Transformer(cfg, ranks, groups, device=device, dtype=dtype)
     with torch.no_grad():
@@ -93,6 +96,8 @@ def build_model(cfg: ModelConfig, ranks: dict, groups: dict, device: str, dtype:
                 p.fill_(1.0)
             else:
                 p.normal_(0, p.shape[-1] ** -0.5)
+    if align > 1:
+        pad_ranks(m, align)
     return m.eval()
 
 
@@ -305,14 +310,14 @@ def greedy_match(model: Transformer, dec: FastDecoder, P: int, n: int) -> dict:
 def run_case(res: dict, cfg, family, keep, P, B, args, bw, dense_cache) -> None:
     dev, dt = args.device, DTYPES[args.device]
     ranks, groups = plan_ranks(cfg, family, keep)
-    model = build_model(cfg, ranks, groups, dev, dt)
+    model = build_model(cfg, ranks, groups, dev, dt, align=args.align if dev == "cuda" else 1)
     wbytes = weight_bytes_read(model)
     n, reps = args.tokens, args.repeats
     kv = kv_bytes_read(cfg, B, P + n / 2, 2)
     bpt = wbytes + kv
     from rankserve.workers.checkpoint import count_params
     kept, dense = count_params(cfg, ranks, groups)
-    case = dict(family=family, keep=round(kept / dense, 4), keep_target=keep, prompt=P, batch=B,
+    case = dict(family=family, keep=round(kept / dense, 4), keep_target=keep, prompt=P, batch=B, align=args.align,
                 weight_bytes=wbytes, kv_bytes=kv, rows=[])
     res["cases"].append(case)
 
@@ -400,7 +405,7 @@ def run_long(res: dict, cfg, args, bw) -> None:
     the HF low-rank baseline sampled at several contexts (prefill to that context, then 32 timed steps)."""
     dev, dt, P = args.device, DTYPES[args.device], 128
     ranks, groups = plan_ranks(cfg, "svd-llm", 0.6)
-    model = build_model(cfg, ranks, groups, dev, dt)
+    model = build_model(cfg, ranks, groups, dev, dt, align=args.align if dev == "cuda" else 1)
     wbytes = weight_bytes_read(model)
     S = P + args.long + 8
     dec = make_decoder(model, 1, S, "triton", "step")
@@ -451,7 +456,7 @@ def run_prefill(res: dict, cfg, args) -> None:
     built from the factors: rebuild Q/K/V + SDPA (flash) vs the factorized Triton prefill kernel."""
     dev, dt = args.device, DTYPES[args.device]
     ranks, groups = plan_ranks(cfg, "svd-llm", 0.6)
-    model = build_model(cfg, ranks, groups, dev, dt)
+    model = build_model(cfg, ranks, groups, dev, dt, align=args.align if dev == "cuda" else 1)
     hfl = hf_model(cfg, dev, dt, model)
     out = []
     for S in args.prefill:
@@ -604,6 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", nargs="*", default=[],
                     help="rows to skip: hf-dense hf-lowrank eager torch-graph; 'variants' = the per-layer-graph and "
                          "cuBLAS rows except in the first case")
+    ap.add_argument("--align", type=int, default=8,
+                    help="zero-pad ranks to a multiple of this on CUDA, as the engine does (1 = stored ranks)")
     ap.add_argument("--extra-rows", nargs="*", default=[], choices=sorted(EXTRA_ROWS),
                     help="also time these decoder options (rows ours-step-<name>)")
     ap.add_argument("--cases", nargs="*", default=None,

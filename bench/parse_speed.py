@@ -104,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     K, _ = plan_ranks(cfg, "svd-llm", args.keep)
     shapes = cfg.linear_shapes()
     r_max = {n: min(int(args.pool_factor * k), min(shapes[n.rsplit(".", 1)[1]])) for n, k in K.items()}
-    static = build_model(cfg, K, {}, dev, dt)
-    pool = build_model(cfg, r_max, {}, dev, dt, seed=1)
+    align = 8 if dev == "cuda" else 1  # as the engine: ranks zero-padded to 16-byte rows on the GPU
+    static = build_model(cfg, K, {}, dev, dt, align=align)
+    pool = build_model(cfg, r_max, {}, dev, dt, seed=1, align=align)
     lins = pool.projections()
     g = torch.Generator(device=dev).manual_seed(0)
     routers = Routers(R={n: torch.randn(r, lins[n].in_features, device=dev, generator=g) for n, r in r_max.items()},
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         entry["rows"].append(row("static", time_fast(dec, P, n, reps), weight_bytes_read(static), bw, B))
         del dec
         # PARSE slots
-        slots = ParseSlots(pool, routers, DecodeConfig(batch_size=B, max_seq_len=S, graph=graph))
+        slots = ParseSlots(pool, routers, DecodeConfig(batch_size=B, max_seq_len=S, graph=graph), align=align)
         sizes = slots.load(subsets)
         slot_bytes = weight_bytes_read(slots.model)
         entry["union_over_k"] = statistics.mean(sizes[n_] / K[n_] for n_ in K)

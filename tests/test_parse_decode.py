@@ -121,3 +121,21 @@ def test_engine_parse_fast_path_gives_the_eager_tokens(tmp_path):
     ref = eager.generate_batch(prompts, [params] * 2)
     assert [g.token_ids for g in got] == [r.token_ids for r in ref]
     assert fast._slots and not eager._slots  # the fast engine really went through the slots
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_aligned_slots_match_masked_eager_pool(B):
+    """align=8 (the GPU setting): slot widths rounded up with zero components, same logits."""
+    pool, routers = _pool()
+    subsets = [_subset(routers, s + 7) for s in range(B)]
+    prompt = torch.randint(0, CFG.vocab_size, (B, 5))
+    with torch.no_grad():
+        apply(pool, subsets)
+        ref = pool(prompt, last_only=True)
+        clear(pool)
+        slots = ParseSlots(pool, routers, DecodeConfig(batch_size=B, max_seq_len=16, backend="torch", graph="none"),
+                           align=8)
+        assert all(w % 8 == 0 for w in slots.widths.values())
+        slots.load(subsets)
+        got = slots.decoder.prefill(prompt)
+    assert float((got - ref).abs().max() / ref.abs().max()) <= 1e-5

@@ -26,14 +26,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rankserve.workers.align import padded
 from rankserve.workers.fast_decode import DecodeConfig, FastDecoder, _Layer
 from rankserve.workers.model import ATTN_PROJS, PROJS, Transformer, proj_name
 from rankserve.workers.parse import Routers
 
 
-def slot_widths(routers: Routers, batch_size: int) -> dict[str, int]:
-    """Slot width per routed projection: min(r_max, B K)."""
-    return {n: min(routers.r_max[n], batch_size * k) for n, k in routers.k.items()}
+def slot_widths(routers: Routers, batch_size: int, align: int = 1) -> dict[str, int]:
+    """Slot width per routed projection: min(r_max, B K), rounded up to a multiple of `align` (zero padding)."""
+    return {n: padded(min(routers.r_max[n], batch_size * k), align) for n, k in routers.k.items()}
 
 
 def _slot_model(pool: Transformer, widths: dict[str, int]) -> Transformer:
@@ -61,10 +62,10 @@ def _slot_model(pool: Transformer, widths: dict[str, int]) -> Transformer:
 class ParseSlots:
     """Static rank slots + keep masks for B requests with (possibly) different PARSE subsets; see the module doc."""
 
-    def __init__(self, pool: Transformer, routers: Routers, dcfg: DecodeConfig) -> None:
+    def __init__(self, pool: Transformer, routers: Routers, dcfg: DecodeConfig, align: int = 1) -> None:
         B = dcfg.batch_size
         self.pool, self.routers, self.B = pool, routers, B
-        self.widths = slot_widths(routers, B)
+        self.widths = slot_widths(routers, B, align)  # align 8 on the GPU: 16-byte rows (workers/align.py)
         self.model = _slot_model(pool, self.widths)
         dev, dt = pool.embed.weight.device, pool.embed.weight.dtype
         self.layers = [_Layer(blk, pool.cfg, fold=dcfg.fused()) for blk in self.model.layers]
@@ -107,8 +108,8 @@ class ParseSlots:
             sizes[n] = len(union)
             if len(union) > W:  # cannot happen for validated subsets: |union| <= min(r_max, B K)
                 raise ValueError(f"{n}: union of {len(union)} components exceeds the slot width {W}")
-            if not self.masked and len(union) != W:  # B = 1 and not exactly K components
-                raise ValueError(f"{n}: subset of {len(union)} components, slot width {W}")
+            if not self.masked and len(union) != self.routers.k[n]:  # B = 1 and not exactly K components
+                raise ValueError(f"{n}: subset of {len(union)} components, expected {self.routers.k[n]}")
             idx = torch.cat([union, union[:1].expand(W - len(union))])  # padding: masked out below
             keep = torch.zeros(self.B, W)
             if self.masked:
@@ -128,6 +129,9 @@ class ParseSlots:
                 src, dst = self._plins[n], self._slins[n]
                 torch.index_select(src.V, 0, idx, out=dst.V.data)  # (W, in): rows of V
                 torch.index_select(src.U, 1, idx, out=dst.U.data)  # (out, W): columns of U
+                if not self.masked and sizes[n] < self.widths[n]:  # alignment padding: zero components
+                    dst.V.data[sizes[n]:] = 0
+                    dst.U.data[:, sizes[n]:] = 0
                 if self.masked:
                     self.keep[n].copy_(keep.view(self.B, -1))
             for L in self.layers:

@@ -1,0 +1,54 @@
+"""Rank padding for the GPU: zero components that make every factor row start 16-byte aligned.
+
+A rank such as 1228 or 1791 (SVD-LLM at keep 0.6 on LLaMA-7B) gives U (out, r) and the rank activation (S, r)
+rows of 2456 / 3582 bytes in bf16: not a multiple of 16. cuBLAS then falls back to its sm75-era tensor-core
+kernels for the prefill GEMMs (measured on the H200: 437-772 us per GEMM where aligned shapes take ~100 us,
+`bench/results/prefill-probe-h200.json`), and Triton cannot vectorize loads along U's rows in decode.
+`pad_ranks` appends zero rows to V and zero columns to U, so r becomes a multiple of `multiple`; the product U V
+is unchanged exactly (the extra components contribute 0 * x). Done once at load time on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rankserve.workers.model import Transformer
+
+
+def padded(r: int, multiple: int) -> int:
+    return -(-r // multiple) * multiple
+
+
+@torch.no_grad()
+def pad_ranks(model: Transformer, multiple: int = 8) -> int:
+    """Zero-pad every factorized projection's rank up to a multiple of `multiple` in place; -> projections padded.
+
+    Basis Sharing: a shared V is padded once and stays shared (its members have the same rank). A PARSE mask
+    (B, r) is padded with zeros. Routers and subsets index components < r and are unaffected.
+    """
+    if multiple < 1:
+        raise ValueError(f"multiple must be >= 1, got {multiple}")
+    new_v: dict[int, nn.Parameter] = {}  # id(old V) -> padded V, so shared bases stay one tensor
+    count = 0
+    for lin in model.projections().values():
+        if not lin.factorized or lin.rank % multiple == 0:
+            continue
+        r, rp = lin.rank, padded(lin.rank, multiple)
+        V = lin.V
+        if id(V) not in new_v:
+            Vp = torch.zeros(rp, V.shape[1], device=V.device, dtype=V.dtype)
+            Vp[:r] = V
+            new_v[id(V)] = nn.Parameter(Vp, requires_grad=False)
+        Up = torch.zeros(lin.U.shape[0], rp, device=lin.U.device, dtype=lin.U.dtype)
+        Up[:, :r] = lin.U
+        lin.U = nn.Parameter(Up, requires_grad=False)
+        lin.V = new_v[id(V)]
+        lin.rank = rp
+        if lin.mask is not None:
+            lin.mask = torch.cat([lin.mask, lin.mask.new_zeros(lin.mask.shape[0], rp - r)], dim=1)
+        count += 1
+    for key, p in list(model.bases.items()):
+        if id(p) in new_v:
+            model.bases[key] = new_v[id(p)]
+    return count
