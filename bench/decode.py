@@ -140,6 +140,13 @@ def copy_bandwidth(device: str) -> float:
     return 2 * n / statistics.median(times)
 
 
+def write_json(path: Path, obj: dict) -> None:
+    """Write results atomically: a run killed mid-write leaves the previous file, never half a JSON."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
 # --- timing ----------------------------------------------------------------------------------------
 def time_decode(step, reset, n_tokens: int, repeats: int, warmup: int = 8) -> list[float]:
     """ms/token of `n_tokens` chained steps, `repeats` times; `reset` rewinds the cache to the prompt."""
@@ -641,9 +648,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def save():
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(res, indent=1))
-        os.replace(tmp, out)
+        write_json(out, res)
 
     cfg = preset(args.preset, max_position_embeddings=max(20480, 128 + args.long + 64))
     if args.prefill_only:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -27,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from rankserve.bench.decode import build_model, copy_bandwidth, plan_ranks, row, sync, time_fast, weight_bytes_read
+from rankserve.bench.decode import (build_model, copy_bandwidth, plan_ranks, row, sync, time_fast,
+                                   weight_bytes_read, write_json)
 from rankserve.workers.config import preset
 from rankserve.workers.fast_decode import DecodeConfig, FastDecoder
 from rankserve.workers.kv_cache import KVCache
@@ -121,9 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def save():
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(res, indent=1))
-        os.replace(tmp, out)
+        write_json(out, res)
 
     print(f"{res['env']['gpu']}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     P, n, reps = args.prompt, args.tokens, args.repeats

@@ -183,7 +183,6 @@ class Engine:
         # on the fast path the subsets are gathered into rank slots instead (workers/parse_decode.py)
         subsets = ([validate(subset, self.routers)] * len(rows) if subset is not None else
                    [select(self.model, self.routers, r.prompt_ids) for r in rows])
-        apply(self.model, subsets)
         try:
             yield from self._steps(rows, subsets)
         finally:
@@ -204,6 +203,8 @@ class Engine:
         # eager when a row may reach the context limit, and for PARSE with re-routing (subsets change mid-request)
         fast = need <= self.max_seq_len and not (self.routers is not None and self.reroute_every)
         dec = self._fast_decoder(B, need, subsets) if fast else None
+        if dec is None and subsets is not None:  # eager PARSE: mask the pool (the fast path gathered slots instead)
+            apply(self.model, subsets)
         if dec is not None:
             logits = dec.prefill(tokens.to(self.device), lengths)  # (B, V)
         else:
