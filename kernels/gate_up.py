@@ -13,17 +13,24 @@ from rankserve.kernels.lowrank_linear import _gemv_tile, gdc_launch_dependents, 
 
 
 @triton.jit
-def _gate_up_u_kernel(t_ptr, Ug_ptr, Uu_ptr, h_ptr, B, N, rg, ru, stride_t, stride_ug, stride_uu, stride_h,
-                      B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _gate_up_u_kernel(t_ptr, Ug_ptr, Uu_ptr, h_ptr, klive_ptr, B, N, rg, ru, stride_t, stride_ug, stride_uu,
+                      stride_h, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      LIVE: tl.constexpr, PDL: tl.constexpr):
     # grid (cdiv(N, BLOCK_N),): h[b, n] = silu(sum_j t[b, j] Ug[n, j]) * sum_j t[b, rg + j] Uu[n, j]
+    # LIVE: gate / up read only their first klive[0] / klive[1] rank components (PARSE slots)
     if PDL:
         gdc_launch_dependents()
+    kg = rg
+    ku = ru
+    if LIVE:
+        kg = tl.minimum(rg, tl.load(klive_ptr))
+        ku = tl.minimum(ru, tl.load(klive_ptr + 1))
     for nb in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):  # persistent when grid < blocks
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
-        g = _gemv_tile(t_ptr, stride_t, Ug_ptr, stride_ug, offs_n, mask_n, B, rg, 0.0, B_PAD, BLOCK_N, BLOCK_K,
+        g = _gemv_tile(t_ptr, stride_t, Ug_ptr, stride_ug, offs_n, mask_n, B, kg, 0.0, B_PAD, BLOCK_N, BLOCK_K,
                        False, PDL)
-        u = _gemv_tile(t_ptr + rg, stride_t, Uu_ptr, stride_uu, offs_n, mask_n, B, ru, 0.0, B_PAD, BLOCK_N,
+        u = _gemv_tile(t_ptr + rg, stride_t, Uu_ptr, stride_uu, offs_n, mask_n, B, ku, 0.0, B_PAD, BLOCK_N,
                        BLOCK_K, False, False)
         h = g / (1.0 + tl.exp(-g)) * u  # (B_PAD, BLOCK_N) fp32
         offs_b = tl.arange(0, B_PAD)
@@ -33,14 +40,16 @@ def _gate_up_u_kernel(t_ptr, Ug_ptr, Uu_ptr, h_ptr, B, N, rg, ru, stride_t, stri
 
 def gate_up(x: torch.Tensor, Vgu: torch.Tensor, Ug: torch.Tensor, Uu: torch.Tensor, *,
             out: torch.Tensor | None = None, t: torch.Tensor | None = None, norm_eps: float | None = None,
-            keep: torch.Tensor | None = None, pdl: bool = False, grid_cap: int = 0) -> torch.Tensor:
+            keep: torch.Tensor | None = None, klive: torch.Tensor | None = None, pdl: bool = False,
+            grid_cap: int = 0) -> torch.Tensor:
     """h = silu(Ug (Vg x)) * (Uu (Vu x)) for each row of x.
 
     x: (B, hidden) already RMS-normed, bf16 (GPU) or fp32, B <= 8. Vgu: (rg + ru, hidden), gate then up input
     factors stacked. Ug: (inter, rg), Uu: (inter, ru). Weights x.dtype, row-major.
     out: optional (B, inter) x.dtype; t: optional (B, rg + ru) fp32 scratch.
     norm_eps: x is the raw residual stream, RMS-normalized inside the first GEMV (norm weight folded into Vgu).
-    keep: optional (B, rg + ru) 0/1 mask of each row's rank components (PARSE). pdl: programmatic dependent
+    keep: optional (B, rg + ru) 0/1 mask of each row's rank components (PARSE). klive: optional int32 (2,)
+    device tensor, components in use of gate and up (PARSE slots: only those are read). pdl: programmatic dependent
     launch (Hopper+). grid_cap: at most this many programs per launch (persistent programs; 0 = one per block).
     Returns h (B, inter). Two launches, no host sync.
     """
@@ -49,6 +58,7 @@ def gate_up(x: torch.Tensor, Vgu: torch.Tensor, Ug: torch.Tensor, Uu: torch.Tens
     ru = Uu.shape[1]
     assert Vgu.shape[0] == rg + ru and Uu.shape[0] == N, "gate_up wants Vgu (rg+ru, hidden), Ug (inter, rg), Uu (inter, ru)"
     assert Ug.stride(1) == 1 and Uu.stride(1) == 1
+    assert klive is None or (klive.dtype == torch.int32 and klive.numel() >= 2), "klive wants int32 (2,)"
     if t is None:
         t = torch.empty(B, rg + ru, device=x.device, dtype=torch.float32)
     if out is None:
@@ -57,8 +67,8 @@ def gate_up(x: torch.Tensor, Vgu: torch.Tensor, Ug: torch.Tensor, Uu: torch.Tens
     BLOCK_N, BLOCK_K, num_warps, num_stages = gemv_config(B, N, x.is_cuda)
     blocks = triton.cdiv(N, BLOCK_N)
     _gate_up_u_kernel[(min(blocks, grid_cap) if grid_cap > 0 else blocks,)](
-        t, Ug, Uu, out, B, N, rg, ru, t.stride(0), Ug.stride(0), Uu.stride(0), out.stride(0),
-        B_PAD=pad_rows(B), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        t, Ug, Uu, out, klive if klive is not None else out, B, N, rg, ru, t.stride(0), Ug.stride(0), Uu.stride(0),
+        out.stride(0), B_PAD=pad_rows(B), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, LIVE=klive is not None, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
         **launch_opts(pdl))
     return out
 

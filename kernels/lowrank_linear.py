@@ -128,26 +128,39 @@ def _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, eps,
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, keep_ptr, B, N, K, stride_x, stride_w, stride_y, stride_keep, eps,
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, keep_ptr, klive_ptr, B, N, K, stride_x, stride_w, stride_y, stride_keep, eps,
                  B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, KEEP: tl.constexpr, PDL: tl.constexpr):
+                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, KEEP: tl.constexpr, LIVE: tl.constexpr,
+                 PDL: tl.constexpr):
     # grid (cdiv(N, BLOCK_N),): y[b, n] (+)= sum_k x[b, k] w[n, k] (RESIDUAL: added to y in place), y's dtype;
-    # KEEP: y[b, n] *= keep[b, n] (PARSE: the rank components row b does not use are zeroed)
+    # KEEP: y[b, n] *= keep[b, n] (PARSE: the rank components row b does not use are zeroed); a block of rows that
+    # no row keeps is written as zeros without reading its weights.
+    # LIVE: only k < klive[0] is read (PARSE slots: x's columns beyond the batch's union are never used)
     if PDL:
         gdc_launch_dependents()
+    if LIVE:
+        K = tl.minimum(K, tl.load(klive_ptr))
     # one block of BLOCK_N rows per iteration; a grid smaller than the block count (grid_cap) makes the programs
     # persistent: all resident from the start, each striding over several blocks
     for nb in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
-        acc = _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, eps, B_PAD, BLOCK_N, BLOCK_K,
-                         NORM, PDL)
         offs_b = tl.arange(0, B_PAD)
         y_ptrs = y_ptr + offs_b[:, None] * stride_y + offs_n[None, :]
         mask = (offs_b[:, None] < B) & mask_n[None, :]
         if KEEP:
-            acc *= tl.load(keep_ptr + offs_b[:, None] * stride_keep + offs_n[None, :], mask=mask,
-                           other=0.0).to(tl.float32)
+            kp = tl.load(keep_ptr + offs_b[:, None] * stride_keep + offs_n[None, :], mask=mask,
+                         other=0.0).to(tl.float32)  # (B_PAD, BLOCK_N)
+            if tl.max(tl.max(kp, axis=1), axis=0) > 0:
+                acc = _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, eps, B_PAD, BLOCK_N,
+                                 BLOCK_K, NORM, PDL) * kp
+            else:  # beyond every row's components: no weight traffic
+                if PDL:
+                    gdc_wait()
+                acc = tl.zeros((B_PAD, BLOCK_N), dtype=tl.float32)
+        else:
+            acc = _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, eps, B_PAD, BLOCK_N, BLOCK_K,
+                             NORM, PDL)
         if RESIDUAL:  # each element is owned by one program: the in-place add is race free
             acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
@@ -174,15 +187,17 @@ def gemv_config(B: int, N: int, on_gpu: bool) -> tuple[int, int, int, int]:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, norm_eps: float | None = None,
-         residual: bool = False, keep: torch.Tensor | None = None, pdl: bool = False,
-         grid_cap: int = 0) -> torch.Tensor:
+         residual: bool = False, keep: torch.Tensor | None = None, klive: torch.Tensor | None = None,
+         pdl: bool = False, grid_cap: int = 0) -> torch.Tensor:
     """y = x @ wᵀ for a few rows of x, fp32 accumulation.
 
     x: (B, K) bf16/fp16/fp32, unit stride along K. w: (N, K) row-major, unit stride along K.
     out: optional (B, N) buffer, any float dtype (fp32 for a scratch t); default x.dtype.
     norm_eps: RMS-normalize each row of x first (y = (x / rms(x)) @ wᵀ; fold the norm weight into w's columns).
     residual: out += x @ wᵀ in place (out required). keep: optional (B, N) 0/1 multiplier of the result,
-    unit stride on N (PARSE: the components each row does not use). grid_cap: at most this many programs (0 = one
+    unit stride on N (PARSE: the components each row does not use; blocks no row keeps skip their weights).
+    klive: optional int32 device tensor; only the first klive[0] columns of x and w are read (PARSE slots: the
+    batch's union is stored first; read on the device, so a captured graph follows its changes). grid_cap: at most this many programs (0 = one
     per block of rows), each then striding over several blocks (persistent programs). pdl: launch with programmatic dependent launch (Hopper+,
     CUDA only). Returns out. No host sync, no allocation when out is given (CUDA-graph capturable).
     """
@@ -195,12 +210,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, n
     BLOCK_N, BLOCK_K, num_warps, num_stages = gemv_config(B, N, x.is_cuda)
     if keep is not None:
         assert keep.shape == (B, N) and keep.stride(1) == 1, "keep wants (B, N), unit stride on N"
+    if klive is not None:
+        assert klive.dtype == torch.int32 and klive.numel() >= 1, "klive wants an int32 device tensor"
     kp = keep if keep is not None else out  # dummy pointer when unused
     blocks = triton.cdiv(N, BLOCK_N)
     _gemv_kernel[(min(blocks, grid_cap) if grid_cap > 0 else blocks,)](
-        x, w, out, kp, B, N, K, x.stride(0), w.stride(0), out.stride(0), kp.stride(0), float(norm_eps or 0.0),
+        x, w, out, kp, klive if klive is not None else kp, B, N, K, x.stride(0), w.stride(0), out.stride(0),
+        kp.stride(0), float(norm_eps or 0.0),
         B_PAD=pad_rows(B), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NORM=norm_eps is not None, RESIDUAL=residual,
-        KEEP=keep is not None, PDL=pdl, num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl))
+        KEEP=keep is not None, LIVE=klive is not None, PDL=pdl, num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl))
     return out
 
 
@@ -216,13 +234,15 @@ def pdl_supported(device: torch.device) -> bool:
 
 def lowrank_linear(x: torch.Tensor, V: torch.Tensor, U: torch.Tensor, *,
                    out: torch.Tensor | None = None, t: torch.Tensor | None = None, residual: bool = False,
-                   keep: torch.Tensor | None = None, pdl: bool = False, grid_cap: int = 0) -> torch.Tensor:
+                   keep: torch.Tensor | None = None, klive: torch.Tensor | None = None, pdl: bool = False,
+                   grid_cap: int = 0) -> torch.Tensor:
     """y = U (V x) for each row of x: the canonical factorization W (out, in) ~ U (out, r) @ V (r, in).
 
     x: (B, in), B <= 8 (decode rows), bf16 (GPU) or fp32; V: (r, in) and U: (out, r) row-major, x.dtype.
     t: optional fp32 (B, r) scratch for V x (kept in fp32 so the rank-space activation is not rounded).
     out: optional (B, out) buffer, x.dtype; residual: out += U (V x) in place (the decoder's residual stream).
-    keep: optional (B, r) 0/1 mask of each row's rank components (PARSE), applied to V x. grid_cap: see gemv.
+    keep: optional (B, r) 0/1 mask of each row's rank components (PARSE), applied to V x. klive: optional int32
+    (1,) device tensor: only the first klive[0] components are in use (see gemv). grid_cap: see gemv.
     Two launches, no host sync; no allocation when out and t are given.
     """
     B = x.shape[0]
@@ -231,7 +251,7 @@ def lowrank_linear(x: torch.Tensor, V: torch.Tensor, U: torch.Tensor, *,
     gemv(x, V, out=t, keep=keep, pdl=pdl, grid_cap=grid_cap)  # (B, r) fp32
     if out is None:
         out = torch.empty(B, U.shape[0], device=x.device, dtype=x.dtype)
-    return gemv(t, U, out=out, residual=residual, pdl=pdl, grid_cap=grid_cap)
+    return gemv(t, U, out=out, residual=residual, klive=klive, pdl=pdl, grid_cap=grid_cap)
 
 
 def lowrank_linear_ref(x: torch.Tensor, V: torch.Tensor, U: torch.Tensor) -> torch.Tensor:

@@ -20,12 +20,14 @@ from rankserve.kernels.lowrank_linear import _gemv_tile, gdc_launch_dependents, 
 
 @triton.jit
 def _qkv_u_rope_kernel(t_ptr, Uq_ptr, Uk_ptr, Uv_ptr, cos_ptr, sin_ptr, cache_seqlens_ptr,
-                       q_ptr, k_cache_ptr, v_cache_ptr,
+                       q_ptr, k_cache_ptr, v_cache_ptr, klive_ptr,
                        B, rq, rk, rv, stride_t, stride_uq, stride_uk, stride_uv, stride_cos,
                        stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                        H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
-                       B_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                       B_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, LIVE: tl.constexpr,
+                       PDL: tl.constexpr):
     # grid (H + 2 * HKV, cdiv(HALF, BLOCK_D)); program = rows (d, d + HALF) of one q, k or v head
+    # LIVE: the projection reads only its first klive[0 | 1 | 2] rank components (PARSE slots)
     if PDL:
         gdc_launch_dependents()
     pid_h = tl.program_id(0)
@@ -42,6 +44,8 @@ def _qkv_u_rope_kernel(t_ptr, Uq_ptr, Uk_ptr, Uv_ptr, cos_ptr, sin_ptr, cache_se
     r = tl.where(is_q, rq, tl.where(is_k, rk, rv))
     stride_u = tl.where(is_q, stride_uq, tl.where(is_k, stride_uk, stride_uv))
     t_off = tl.where(is_q, 0, tl.where(is_k, rq, rq + rk))  # column of this projection's slice of t
+    if LIVE:
+        r = tl.minimum(r, tl.load(klive_ptr + tl.where(is_q, 0, tl.where(is_k, 1, 2))))
 
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # (BLOCK_D,) in [0, HALF)
     mask_d = offs_d < HALF
@@ -82,7 +86,7 @@ def qkv_rope(x: torch.Tensor, Vqkv: torch.Tensor, Uq: torch.Tensor, Uk: torch.Te
              cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              cache_seqlens: torch.Tensor, *, q_out: torch.Tensor | None = None,
              t: torch.Tensor | None = None, norm_eps: float | None = None, keep: torch.Tensor | None = None,
-             pdl: bool = False, grid_cap: int = 0) -> torch.Tensor:
+             klive: torch.Tensor | None = None, pdl: bool = False, grid_cap: int = 0) -> torch.Tensor:
     """q of the current token, with k and v appended to the cache; all projections low-rank.
 
     x: (B, hidden) already RMS-normed, bf16 (GPU) or fp32. Vqkv: (rq + rk + rv, hidden), the q, k, v input
@@ -93,7 +97,8 @@ def qkv_rope(x: torch.Tensor, Vqkv: torch.Tensor, Uq: torch.Tensor, Uk: torch.Te
     q_out: optional (B, H, D) x.dtype; t: optional (B, rq + rk + rv) fp32 scratch.
     norm_eps: x is the raw residual stream; RMS-normalize it inside the first GEMV (the norm weight folded into
     Vqkv's columns by the caller). keep: optional (B, rq + rk + rv) 0/1 mask of each row's rank components
-    (PARSE). pdl: programmatic dependent launch (Hopper+). grid_cap: program cap of the first GEMV (see gemv).
+    (PARSE). klive: optional int32 (3,) device tensor, components in use of q, k, v (PARSE slots: each
+    projection reads only its first klive[i] components). pdl: programmatic dependent launch (Hopper+). grid_cap: program cap of the first GEMV (see gemv).
     Returns q (B, H, D), RoPE applied. Two launches, no host sync.
     """
     B = x.shape[0]
@@ -103,6 +108,7 @@ def qkv_rope(x: torch.Tensor, Vqkv: torch.Tensor, Uq: torch.Tensor, Uk: torch.Te
     assert D % 2 == 0 and Vqkv.shape[0] == rq + rk + rv and Uk.shape[0] == Uv.shape[0] == HKV * D, \
         "qkv_rope wants Vqkv (rq+rk+rv, hidden), Uq (H*D, rq), Uk/Uv (H_kv*D, r), caches (B, S_max, H_kv, D)"
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and cos.stride(1) == 1 and sin.stride() == cos.stride()
+    assert klive is None or (klive.dtype == torch.int32 and klive.numel() >= 3), "klive wants int32 (3,)"
     if t is None:
         t = torch.empty(B, rq + rk + rv, device=x.device, dtype=torch.float32)
     if q_out is None:
@@ -112,11 +118,11 @@ def qkv_rope(x: torch.Tensor, Vqkv: torch.Tensor, Uq: torch.Tensor, Uk: torch.Te
     BLOCK_N, BLOCK_K, num_warps, num_stages = gemv_config(B, (H + 2 * HKV) * D, x.is_cuda)
     BLOCK_D = max(min(BLOCK_N, triton.next_power_of_2(HALF)), 1 if B == 1 else 16)  # tl.dot wants >= 16
     _qkv_u_rope_kernel[(H + 2 * HKV, triton.cdiv(HALF, BLOCK_D))](
-        t, Uq, Uk, Uv, cos, sin, cache_seqlens, q_out, k_cache, v_cache,
+        t, Uq, Uk, Uv, cos, sin, cache_seqlens, q_out, k_cache, v_cache, klive if klive is not None else cache_seqlens,
         B, rq, rk, rv, t.stride(0), Uq.stride(0), Uk.stride(0), Uv.stride(0), cos.stride(0),
         q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        H=H, HKV=HKV, HALF=HALF, B_PAD=pad_rows(B), BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K, PDL=pdl,
+        H=H, HKV=HKV, HALF=HALF, B_PAD=pad_rows(B), BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K, LIVE=klive is not None, PDL=pdl,
         num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl))
     return q_out
 

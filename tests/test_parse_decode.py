@@ -139,3 +139,50 @@ def test_aligned_slots_match_masked_eager_pool(B):
         slots.load(subsets)
         got = slots.decoder.prefill(prompt)
     assert float((got - ref).abs().max() / ref.abs().max()) <= 1e-5
+
+
+def _overlapping(routers: Routers, B: int, tail: int, seed: int) -> list[dict]:
+    """B subsets sharing all but `tail` components per matrix (routed subsets share the aggregated head)."""
+    g = torch.Generator().manual_seed(seed)
+    out = [{"v": 1, "k": {}} for _ in range(B)]
+    for n, k in routers.k.items():
+        order = torch.randperm(routers.r_max[n], generator=g).tolist()
+        common, rest = order[:k - tail], order[k - tail:]
+        for b in range(B):
+            out[b]["k"][n] = sorted(common + rest[b * tail:(b + 1) * tail])
+    return out
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_live_width_reads_only_the_union(backend):
+    """Overlapping subsets: the union is narrower than the slot, the kernels and the eager prefill read only the
+    live prefix (the slot columns beyond it are poisoned with NaN here), and the logits equal the eager pool."""
+    B = 3
+    pool, routers = _pool()
+    subsets = _overlapping(routers, B, tail=1, seed=3)
+    prompt = torch.randint(0, CFG.vocab_size, (B, 5))
+    steps = [torch.randint(0, CFG.vocab_size, (B,)) for _ in range(3)]
+    with torch.no_grad():
+        apply(pool, subsets)
+        cache = KVCache(CFG.num_hidden_layers, B, 32, CFG.num_key_value_heads, CFG.head_dim)
+        ref = [pool(prompt, cache, last_only=True)] + [pool(t[:, None], cache, last_only=True) for t in steps]
+        clear(pool)
+        slots = ParseSlots(pool, routers, DecodeConfig(batch_size=B, max_seq_len=32, backend=backend, graph="none"),
+                           align=4)
+        sizes = slots.load(subsets)
+        for n, size in sizes.items():
+            i, p = slots._where[n]
+            live = int(slots.live[i, p])
+            assert size == routers.k[n] + (B - 1) and live == min(-(-size // 4) * 4, slots.widths[n])
+            lin = slots.model.projections()[n]
+            assert lin.live == live
+            if backend == "triton" and live < lin.rank:  # never read: poison it (the torch backend reads all)
+                lin.V.data[live:] = float("nan")
+                lin.U.data[:, live:] = float("nan")
+        for L in slots.layers:
+            L.refresh()
+        got = [slots.decoder.prefill(prompt)] + [slots.decoder.step(t).clone() for t in steps]
+    assert slots.live_dev is not None and torch.equal(slots.live_dev.cpu(), slots.live)
+    for s, (a, b) in enumerate(zip(got, ref)):
+        err = float((a - b).abs().max() / b.abs().max())
+        assert err <= 1e-4, f"step {s}: relative error {err}"

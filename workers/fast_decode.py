@@ -73,6 +73,9 @@ def _masked(t: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     return t if keep is None else t * keep
 
 
+LIVE_ORDER = ("q", "k", "v", "o", "gate", "up", "down")  # the order of _Layer.live
+
+
 class _Layer:
     """One decoder layer's weights in decode layout.
 
@@ -111,6 +114,13 @@ class _Layer:
         self.keep_gu: torch.Tensor | None = None
         self.keep_o: torch.Tensor | None = None
         self.keep_down: torch.Tensor | None = None
+        # PARSE slots at B > 1: int32 (7,) on the device, the components in use of q, k, v, o, gate, up, down (the
+        # batch's union, stored first); the Triton kernels read only those. None = every component
+        self.live: torch.Tensor | None = None
+
+    def klive(self, first: int, last: int) -> torch.Tensor | None:
+        """Live widths of projections [first, last) in LIVE_ORDER (a view; None without PARSE slots)."""
+        return None if self.live is None else self.live[first:last]
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -261,18 +271,18 @@ class FastDecoder:
         kc, vc = self.cache.k[i], self.cache.v[i]  # (B, S_max, H_kv, D)
         k = self._k
         k["qkv"].qkv_rope(self.x, L.Vqkv, L.Uq, L.Uk, L.Uv, self.cos, self.sin, kc, vc, self.cache.seqlens,
-                          q_out=self.q, t=self.t[:, :sum(L.qkv_split)], norm_eps=eps, keep=L.keep_qkv, pdl=pdl,
-                          grid_cap=cap)
+                          q_out=self.q, t=self.t[:, :sum(L.qkv_split)], norm_eps=eps, keep=L.keep_qkv,
+                          klive=L.klive(0, 3), pdl=pdl, grid_cap=cap)
         k["attn"].decode_attention(self.q, kc, vc, self.cache.seqlens, num_splits=self.num_splits, out=self.a,
                                    mid_o=self.mid_o, mid_lse=self.mid_lse, pdl=pdl, counter=self.attn_counter)
         o = L.proj["o"]
         k["ll"].lowrank_linear(self.a.view(B, -1), o.V, o.U, out=self.x, t=self.t[:, :o.rank], residual=True,
-                               keep=L.keep_o, pdl=pdl, grid_cap=cap)
+                               keep=L.keep_o, klive=L.klive(3, 4), pdl=pdl, grid_cap=cap)
         k["gu"].gate_up(self.x, L.Vgu, L.Ug, L.Uu, out=self.m, t=self.t[:, :sum(L.gu_split)], norm_eps=eps,
-                        keep=L.keep_gu, pdl=pdl, grid_cap=cap)
+                        keep=L.keep_gu, klive=L.klive(4, 6), pdl=pdl, grid_cap=cap)
         d = L.proj["down"]
         k["ll"].lowrank_linear(self.m, d.V, d.U, out=self.x, t=self.t[:, :d.rank], residual=True, keep=L.keep_down,
-                               pdl=pdl, grid_cap=cap)
+                               klive=L.klive(6, 7), pdl=pdl, grid_cap=cap)
 
     def _layer_unfused(self, i: int) -> None:
         L, B = self.layers[i], self.dcfg.batch_size
@@ -284,7 +294,8 @@ class FastDecoder:
                    residual=self.x if self._pending else None)
         if fused:
             self._k["qkv"].qkv_rope(self.h, L.Vqkv, L.Uq, L.Uk, L.Uv, self.cos, self.sin, kc, vc, seqlens,
-                                    q_out=self.q, t=self.t[:, :sum(L.qkv_split)], keep=L.keep_qkv)
+                                    q_out=self.q, t=self.t[:, :sum(L.qkv_split)], keep=L.keep_qkv,
+                                    klive=L.klive(0, 3))
         else:
             self._qkv_torch(L, kc, vc, seqlens)
         if self.use_triton:
@@ -292,12 +303,12 @@ class FastDecoder:
                                              mid_o=self.mid_o, mid_lse=self.mid_lse, counter=self.attn_counter)
         else:
             self._attention_torch(kc, vc, seqlens)
-        self._linear(L.proj["o"], self.a.view(B, -1), self.y, fused, L.keep_o)
+        self._linear(L.proj["o"], self.a.view(B, -1), self.y, fused, L.keep_o, L.klive(3, 4))
         # MLP
         self._norm(self.y, L.mlp_norm, self.h, residual=self.x)
         if fused:
             self._k["gu"].gate_up(self.h, L.Vgu, L.Ug, L.Uu, out=self.m, t=self.t[:, :sum(L.gu_split)],
-                                  keep=L.keep_gu)
+                                  keep=L.keep_gu, klive=L.klive(4, 6))
         else:
             if hasattr(L, "Vgu"):
                 tg, tu = _masked(self.h @ L.Vgu.t(), L.keep_gu).split(L.gu_split, dim=-1)
@@ -305,11 +316,12 @@ class FastDecoder:
             else:
                 g, u = (self.h @ L.Wgu.t()).chunk(2, dim=-1)
             torch.mul(F.silu(g), u, out=self.m)
-        self._linear(L.proj["down"], self.m, self.y, fused, L.keep_down)
+        self._linear(L.proj["down"], self.m, self.y, fused, L.keep_down, L.klive(6, 7))
 
-    def _linear(self, lin, x: torch.Tensor, out: torch.Tensor, fused: bool, keep: torch.Tensor | None) -> None:
+    def _linear(self, lin, x: torch.Tensor, out: torch.Tensor, fused: bool, keep: torch.Tensor | None,
+                klive: torch.Tensor | None = None) -> None:
         if fused:
-            self._k["ll"].lowrank_linear(x, lin.V, lin.U, out=out, t=self.t[:, :lin.rank], keep=keep)
+            self._k["ll"].lowrank_linear(x, lin.V, lin.U, out=out, t=self.t[:, :lin.rank], keep=keep, klive=klive)
         elif lin.factorized:
             torch.mm(_masked(x @ lin.V.t(), keep), lin.U.t(), out=out)  # cuBLAS, rank vector in the activation dtype
         else:

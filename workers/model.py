@@ -48,6 +48,8 @@ class FactorizedLinear(nn.Module):
         self.U = nn.Parameter(torch.empty(out_features, rank, **kw))
         self.V = V if V is not None else nn.Parameter(torch.empty(rank, in_features, **kw))
         self.mask: torch.Tensor | None = None  # PARSE: (B, r) 0/1 per row, the rank components each request uses
+        # PARSE slots: only the first `live` components are in use (the batch's union); the rest are masked padding
+        self.live: int | None = None
 
     @property
     def factorized(self) -> bool:
@@ -56,10 +58,13 @@ class FactorizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rank is None:
             return F.linear(x, self.weight)
-        t = F.linear(x, self.V)  # (B, S, in) -> (B, S, r)
-        if self.mask is not None:  # keep only each row's selected components
-            t = t * self.mask[:, None, :].to(t.dtype)
-        return F.linear(t, self.U)  # (B, S, r) -> (B, S, out)
+        V, U, mask = self.V, self.U, self.mask
+        if self.live is not None and self.live < self.rank:  # read only the components in use
+            V, U, mask = V[:self.live], U[:, :self.live], None if mask is None else mask[:, :self.live]
+        t = F.linear(x, V)  # (B, S, in) -> (B, S, r)
+        if mask is not None:  # keep only each row's selected components
+            t = t * mask[:, None, :].to(t.dtype)
+        return F.linear(t, U)  # (B, S, r) -> (B, S, out)
 
     def dense_weight(self) -> torch.Tensor:
         """W [out, in] (multiplied out for a factorized layer)."""
