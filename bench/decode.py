@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from rankserve.workers.align import pad_ranks
+from rankserve.workers.align import GPU_ALIGN, pad_ranks
 from rankserve.workers.config import ModelConfig, preset
 from rankserve.workers.fast_decode import DecodeConfig, FastDecoder
 from rankserve.workers.kv_cache import KVCache
@@ -616,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", nargs="*", default=[],
                     help="rows to skip: hf-dense hf-lowrank eager torch-graph; 'variants' = the per-layer-graph and "
                          "cuBLAS rows except in the first case")
-    ap.add_argument("--align", type=int, default=8,
+    ap.add_argument("--align", type=int, default=GPU_ALIGN,
                     help="zero-pad ranks to a multiple of this on CUDA, as the engine does (1 = stored ranks)")
     ap.add_argument("--extra-rows", nargs="*", default=[], choices=sorted(EXTRA_ROWS),
                     help="also time these decoder options (rows ours-step-<name>)")

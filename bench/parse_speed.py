@@ -38,7 +38,8 @@ from rankserve.workers.config import preset
 from rankserve.workers.fast_decode import DecodeConfig, FastDecoder
 from rankserve.workers.kv_cache import KVCache
 from rankserve.workers.parse import Routers, apply, clear, select_batch
-from rankserve.workers.parse_decode import ParseSlots
+from rankserve.workers.align import GPU_ALIGN, padded
+from rankserve.workers.parse_decode import LIVE_ALIGN, ParseSlots
 
 
 def _median_ms(fn, n: int = 5) -> float:
@@ -77,7 +78,7 @@ def live_bytes(pool, slots: ParseSlots, sizes: dict[str, int]) -> int:
     total = weight_bytes_read(slots.model)
     lins = slots.model.projections()
     for n, W in slots.widths.items():
-        live = min(W, -(-sizes[n] // slots.align) * slots.align) if slots.masked else W
+        live = min(W, padded(sizes[n], LIVE_ALIGN)) if slots.masked else W
         total -= (W - live) * (lins[n].in_features + lins[n].out_features) * lins[n].U.element_size()
     return total
 
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     K, _ = plan_ranks(cfg, "svd-llm", args.keep)
     shapes = cfg.linear_shapes()
     r_max = {n: min(int(args.pool_factor * k), min(shapes[n.rsplit(".", 1)[1]])) for n, k in K.items()}
-    align = 8 if dev == "cuda" else 1  # as the engine: ranks zero-padded to 16-byte rows on the GPU
+    align = GPU_ALIGN if dev == "cuda" else 1  # as the engine: ranks zero-padded on the GPU (workers/align.py)
     static = build_model(cfg, K, {}, dev, dt, align=align)
     pool = build_model(cfg, r_max, {}, dev, dt, seed=1, align=align)
     lins = pool.projections()

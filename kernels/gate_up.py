@@ -23,8 +23,8 @@ def _gate_up_u_kernel(t_ptr, Ug_ptr, Uu_ptr, h_ptr, klive_ptr, B, N, rg, ru, str
     kg = rg
     ku = ru
     if LIVE:
-        kg = tl.minimum(rg, tl.load(klive_ptr))
-        ku = tl.minimum(ru, tl.load(klive_ptr + 1))
+        kg = tl.multiple_of(tl.minimum(rg, tl.cdiv(tl.load(klive_ptr), 16) * 16), 16)  # 16-wide: vectorized loads
+        ku = tl.multiple_of(tl.minimum(ru, tl.cdiv(tl.load(klive_ptr + 1), 16) * 16), 16)
     for nb in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):  # persistent when grid < blocks
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
@@ -49,7 +49,8 @@ def gate_up(x: torch.Tensor, Vgu: torch.Tensor, Ug: torch.Tensor, Uu: torch.Tens
     out: optional (B, inter) x.dtype; t: optional (B, rg + ru) fp32 scratch.
     norm_eps: x is the raw residual stream, RMS-normalized inside the first GEMV (norm weight folded into Vgu).
     keep: optional (B, rg + ru) 0/1 mask of each row's rank components (PARSE). klive: optional int32 (2,)
-    device tensor, components in use of gate and up (PARSE slots: only those are read). pdl: programmatic dependent
+    device tensor, components in use of gate and up (PARSE slots: only those are read, rounded up to 16; ranks
+    must be multiples of 16). pdl: programmatic dependent
     launch (Hopper+). grid_cap: at most this many programs per launch (persistent programs; 0 = one per block).
     Returns h (B, inter). Two launches, no host sync.
     """
@@ -58,7 +59,8 @@ def gate_up(x: torch.Tensor, Vgu: torch.Tensor, Ug: torch.Tensor, Uu: torch.Tens
     ru = Uu.shape[1]
     assert Vgu.shape[0] == rg + ru and Uu.shape[0] == N, "gate_up wants Vgu (rg+ru, hidden), Ug (inter, rg), Uu (inter, ru)"
     assert Ug.stride(1) == 1 and Uu.stride(1) == 1
-    assert klive is None or (klive.dtype == torch.int32 and klive.numel() >= 2), "klive wants int32 (2,)"
+    assert klive is None or (klive.dtype == torch.int32 and klive.numel() >= 2 and rg % 16 == ru % 16 == 0), \
+        "klive wants int32 (2,) and ranks that are multiples of 16"
     if t is None:
         t = torch.empty(B, rg + ru, device=x.device, dtype=torch.float32)
     if out is None:

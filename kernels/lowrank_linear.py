@@ -138,8 +138,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, keep_ptr, klive_ptr, B, N, K, stride_x, st
     # LIVE: only k < klive[0] is read (PARSE slots: x's columns beyond the batch's union are never used)
     if PDL:
         gdc_launch_dependents()
-    if LIVE:
-        K = tl.minimum(K, tl.load(klive_ptr))
+    if LIVE:  # rounded up to 16 and hinted so: the masks stay 16-wide and the loads vectorized (K % 16 == 0)
+        K = tl.multiple_of(tl.minimum(K, tl.cdiv(tl.load(klive_ptr), 16) * 16), 16)
     # one block of BLOCK_N rows per iteration; a grid smaller than the block count (grid_cap) makes the programs
     # persistent: all resident from the start, each striding over several blocks
     for nb in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
@@ -196,8 +196,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, n
     norm_eps: RMS-normalize each row of x first (y = (x / rms(x)) @ wᵀ; fold the norm weight into w's columns).
     residual: out += x @ wᵀ in place (out required). keep: optional (B, N) 0/1 multiplier of the result,
     unit stride on N (PARSE: the components each row does not use; blocks no row keeps skip their weights).
-    klive: optional int32 device tensor; only the first klive[0] columns of x and w are read (PARSE slots: the
-    batch's union is stored first; read on the device, so a captured graph follows its changes). grid_cap: at most this many programs (0 = one
+    klive: optional int32 device tensor; only the first klive[0] columns of x and w are read, rounded up to 16
+    (PARSE slots: the batch's union is stored first; read on the device, so a captured graph follows its
+    changes). Needs K % 16 == 0: the kernel promises the compiler 16-wide masks, which keeps loads vectorized. grid_cap: at most this many programs (0 = one
     per block of rows), each then striding over several blocks (persistent programs). pdl: launch with programmatic dependent launch (Hopper+,
     CUDA only). Returns out. No host sync, no allocation when out is given (CUDA-graph capturable).
     """
@@ -211,7 +212,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, n
     if keep is not None:
         assert keep.shape == (B, N) and keep.stride(1) == 1, "keep wants (B, N), unit stride on N"
     if klive is not None:
-        assert klive.dtype == torch.int32 and klive.numel() >= 1, "klive wants an int32 device tensor"
+        assert klive.dtype == torch.int32 and klive.numel() >= 1 and K % 16 == 0, \
+            "klive wants an int32 device tensor and K a multiple of 16"
     kp = keep if keep is not None else out  # dummy pointer when unused
     blocks = triton.cdiv(N, BLOCK_N)
     _gemv_kernel[(min(blocks, grid_cap) if grid_cap > 0 else blocks,)](

@@ -45,7 +45,8 @@ def _qkv_u_rope_kernel(t_ptr, Uq_ptr, Uk_ptr, Uv_ptr, cos_ptr, sin_ptr, cache_se
     stride_u = tl.where(is_q, stride_uq, tl.where(is_k, stride_uk, stride_uv))
     t_off = tl.where(is_q, 0, tl.where(is_k, rq, rq + rk))  # column of this projection's slice of t
     if LIVE:
-        r = tl.minimum(r, tl.load(klive_ptr + tl.where(is_q, 0, tl.where(is_k, 1, 2))))
+        live = tl.load(klive_ptr + tl.where(is_q, 0, tl.where(is_k, 1, 2)))
+        r = tl.multiple_of(tl.minimum(r, tl.cdiv(live, 16) * 16), 16)  # 16-wide masks: vectorized loads
 
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # (BLOCK_D,) in [0, HALF)
     mask_d = offs_d < HALF
@@ -98,7 +99,7 @@ def qkv_rope(x: torch.Tensor, Vqkv: torch.Tensor, Uq: torch.Tensor, Uk: torch.Te
     norm_eps: x is the raw residual stream; RMS-normalize it inside the first GEMV (the norm weight folded into
     Vqkv's columns by the caller). keep: optional (B, rq + rk + rv) 0/1 mask of each row's rank components
     (PARSE). klive: optional int32 (3,) device tensor, components in use of q, k, v (PARSE slots: each
-    projection reads only its first klive[i] components). pdl: programmatic dependent launch (Hopper+). grid_cap: program cap of the first GEMV (see gemv).
+    projection reads only its first klive[i] components, rounded up to 16; ranks must be multiples of 16). pdl: programmatic dependent launch (Hopper+). grid_cap: program cap of the first GEMV (see gemv).
     Returns q (B, H, D), RoPE applied. Two launches, no host sync.
     """
     B = x.shape[0]
@@ -108,7 +109,8 @@ def qkv_rope(x: torch.Tensor, Vqkv: torch.Tensor, Uq: torch.Tensor, Uk: torch.Te
     assert D % 2 == 0 and Vqkv.shape[0] == rq + rk + rv and Uk.shape[0] == Uv.shape[0] == HKV * D, \
         "qkv_rope wants Vqkv (rq+rk+rv, hidden), Uq (H*D, rq), Uk/Uv (H_kv*D, r), caches (B, S_max, H_kv, D)"
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and cos.stride(1) == 1 and sin.stride() == cos.stride()
-    assert klive is None or (klive.dtype == torch.int32 and klive.numel() >= 3), "klive wants int32 (3,)"
+    assert klive is None or (klive.dtype == torch.int32 and klive.numel() >= 3 and rq % 16 == rk % 16 == rv % 16 == 0), \
+        "klive wants int32 (3,) and ranks that are multiples of 16"
     if t is None:
         t = torch.empty(B, rq + rk + rv, device=x.device, dtype=torch.float32)
     if q_out is None:

@@ -1,8 +1,9 @@
 """PARSE slot options of the decode kernels: `keep` masks and device-side live widths (`klive`).
 
 A slot stores the batch's union of components first; components at and beyond the live width are padding that
-no row keeps. The kernels must give exactly the masked product over the union, without reading the padding:
-here the padding's factors are NaN, so any read of them would poison the output.
+no row keeps. The kernels must give exactly the masked product over the union, without reading the padding
+beyond the live width rounded up to 16: here those factors are NaN, so any read of them would poison the
+output. Ranks are multiples of 16, as the slots make them (the kernels promise the compiler 16-wide masks).
 
 Run alone: .venv/bin/python -m pytest tests/test_kernels_live.py  (CPU: Triton interpreter, fp32)
 """
@@ -25,10 +26,12 @@ def _keep(B: int, r: int, live: int) -> torch.Tensor:
 
 
 def _poison(V: torch.Tensor, U: torch.Tensor, live: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies of V (r, in) and U (out, r) with the padding components (>= live) set to NaN."""
+    """Copies of V (r, in) and U (out, r) with the components the kernels may skip set to NaN: those from `live`
+    rounded up to 16 on (the kernels read whole groups of 16 components; the slots' padding is masked out)."""
     V, U = V.clone(), U.clone()
-    V[live:] = float("nan")
-    U[:, live:] = float("nan")
+    skip = -(-live // 16) * 16
+    V[skip:] = float("nan")
+    U[:, skip:] = float("nan")
     return V, U
 
 
@@ -38,7 +41,8 @@ def _live(*n: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B", [2, 8])
-@pytest.mark.parametrize("d_in, r, live, d_out", [(96, 64, 37, 80), (128, 80, 80, 50), (70, 48, 16, 33)])
+@pytest.mark.parametrize("d_in, r, live, d_out", [(96, 64, 37, 80), (128, 80, 80, 50), (70, 48, 16, 33),
+                                                   (64, 96, 50, 40)])
 def test_lowrank_linear_keep_live(B, d_in, r, live, d_out, dtype):
     seed = fresh_seed()
     x = randn(B, d_in, dtype=dtype)
@@ -61,7 +65,7 @@ def test_lowrank_linear_klive_full_width_is_plain(B):
     """klive >= r reads everything: the same result as no klive."""
     seed = fresh_seed()
     dtype = DTYPES[0]
-    x, V, U = randn(B, 64, dtype=dtype), randn(40, 64, dtype=dtype, scale=0.125), randn(48, 40, dtype=dtype, scale=0.16)
+    x, V, U = randn(B, 64, dtype=dtype), randn(48, 64, dtype=dtype, scale=0.125), randn(40, 48, dtype=dtype, scale=0.14)
     y = lowrank_linear(x, V, U, klive=_live(1000))
     assert_close(y, lowrank_linear_ref(*to64(x, V, U)), lowrank_linear_ref(x, V, U), f"klive wide seed={seed}")
 
@@ -71,7 +75,7 @@ def test_lowrank_linear_klive_full_width_is_plain(B):
 def test_qkv_rope_keep_live(B, dtype):
     seed = fresh_seed()
     hidden, H, H_kv, D, S_max = 64, 4, 2, 16, 12
-    (rq, lq), (rk, lk), (rv, lv) = (48, 30), (32, 32), (40, 9)
+    (rq, lq), (rk, lk), (rv, lv) = (48, 30), (32, 32), (64, 9)
     x = randn(B, hidden, dtype=dtype)
     Vs = [randn(r, hidden, dtype=dtype, scale=hidden ** -0.5) for r in (rq, rk, rv)]
     Us = [randn(n * D, r, dtype=dtype, scale=r ** -0.5) for n, r in ((H, rq), (H_kv, rk), (H_kv, rv))]
@@ -105,7 +109,7 @@ def test_qkv_rope_keep_live(B, dtype):
 @pytest.mark.parametrize("B", [2, 8])
 def test_gate_up_keep_live(B, dtype):
     seed = fresh_seed()
-    hidden, inter, (rg, lg), (ru, lu) = 64, 90, (40, 23), (56, 56)
+    hidden, inter, (rg, lg), (ru, lu) = 64, 90, (48, 23), (64, 64)
     x = randn(B, hidden, dtype=dtype)
     Vg, Vu = randn(rg, hidden, dtype=dtype, scale=hidden ** -0.5), randn(ru, hidden, dtype=dtype, scale=hidden ** -0.5)
     Ug, Uu = randn(inter, rg, dtype=dtype, scale=2 * rg ** -0.5), randn(inter, ru, dtype=dtype, scale=ru ** -0.5)
@@ -119,3 +123,9 @@ def test_gate_up_keep_live(B, dtype):
         Vb = torch.cat([Vg * kg[b, :, None].to(dtype), Vu * ku[b, :, None].to(dtype)])
         assert_close(h[b:b + 1], gate_up_ref(*to64(x[b:b + 1], Vb, Ug, Uu)), gate_up_ref(x[b:b + 1], Vb, Ug, Uu),
                      what + f" (row {b})")
+
+
+def test_klive_needs_ranks_in_multiples_of_16():
+    x, V, U = randn(2, 32, dtype=DTYPES[0]), randn(40, 32, dtype=DTYPES[0]), randn(24, 40, dtype=DTYPES[0])
+    with pytest.raises(AssertionError, match="multiple of 16"):
+        lowrank_linear(x, V, U, klive=_live(20))

@@ -173,7 +173,7 @@ def test_live_width_reads_only_the_union(backend):
         for n, size in sizes.items():
             i, p = slots._where[n]
             live = int(slots.live[i, p])
-            assert size == routers.k[n] + (B - 1) and live == min(-(-size // 4) * 4, slots.widths[n])
+            assert size == routers.k[n] + (B - 1) and live == min(-(-size // 16) * 16, slots.widths[n])
             lin = slots.model.projections()[n]
             assert lin.live == live
             if backend == "triton" and live < lin.rank:  # never read: poison it (the torch backend reads all)

@@ -14,7 +14,7 @@ from typing import Iterator
 
 import torch
 
-from rankserve.workers.align import pad_ranks
+from rankserve.workers.align import GPU_ALIGN, pad_ranks
 from rankserve.workers.checkpoint import Manifest, load_checkpoint
 from rankserve.workers.fast_decode import DecodeConfig, FastDecoder
 from rankserve.workers.kv_cache import KVCache
@@ -110,7 +110,7 @@ class Engine:
         model, manifest = load_checkpoint(model_dir, device=device, dtype=dtype)
         routers = load_parse(model_dir, model)  # checks the stored ranks: before padding
         if model.embed.weight.device.type == "cuda":
-            pad_ranks(model, 8)  # exact; aligned rows for cuBLAS and Triton (workers/align.py)
+            pad_ranks(model, GPU_ALIGN)  # exact; aligned rows for cuBLAS and Triton (workers/align.py)
         return cls(model, Tokenizer.load(model_dir), manifest, max_batch_size, max_seq_len, fast_path,
                    routers=routers, reroute_every=reroute_every)
 
@@ -151,7 +151,7 @@ class Engine:
             if (B, S) not in self._slots:
                 self._slots[(B, S)] = ParseSlots(self.model, self.routers,
                                                  DecodeConfig(batch_size=B, max_seq_len=S, backend=mode, graph=graph),
-                                                 align=8 if self.device.type == "cuda" else 1)
+                                                 align=GPU_ALIGN if self.device.type == "cuda" else 1)
             self._slots[(B, S)].load(subsets)
             return self._slots[(B, S)].decoder
         if (B, S) not in self._decoders:

@@ -39,6 +39,9 @@ from rankserve.workers.model import ATTN_PROJS, PROJS, Transformer, proj_name
 from rankserve.workers.parse import Routers
 
 
+LIVE_ALIGN = 16  # the kernels read live widths in groups of 16 components (kernels/lowrank_linear.py gemv)
+
+
 def slot_widths(routers: Routers, batch_size: int, align: int = 1) -> dict[str, int]:
     """Slot width per routed projection: min(r_max, B K), rounded up to a multiple of `align` (zero padding)."""
     return {n: padded(min(routers.r_max[n], batch_size * k), align) for n, k in routers.k.items()}
@@ -72,12 +75,12 @@ class ParseSlots:
     def __init__(self, pool: Transformer, routers: Routers, dcfg: DecodeConfig, align: int = 1) -> None:
         B = dcfg.batch_size
         self.pool, self.routers, self.B = pool, routers, B
-        self.widths = slot_widths(routers, B, align)  # align 8 on the GPU: 16-byte rows (workers/align.py)
+        # align GPU_ALIGN on the GPU (workers/align.py); B > 1: at least LIVE_ALIGN (the live widths' granularity)
+        self.widths = slot_widths(routers, B, align if B == 1 else max(align, LIVE_ALIGN))
         self.model = _slot_model(pool, self.widths)
         dev, dt = pool.embed.weight.device, pool.embed.weight.dtype
         self.layers = [_Layer(blk, pool.cfg, fold=dcfg.fused()) for blk in self.model.layers]
         self.masked = B > 1  # B = 1: the slot is exactly the subset, nothing to mask
-        self.align = align
         self.names = list(self.widths)  # routed projections, in a fixed order
         self._where = {proj_name(i, p): (i, LIVE_ORDER.index(p)) for i in range(len(self.layers)) for p in PROJS}
         # host-side index plan (numpy, built once): component i of matrix m has the global id gbase[m] + i
@@ -199,9 +202,9 @@ class ParseSlots:
                 self.keep_all.copy_(self._keep_host)
             for L in self.layers:
                 L.refresh()
-        if self.masked:  # live widths: the union rounded up to `align` (the padding between is masked out)
+        if self.masked:  # live widths: the union rounded up to LIVE_ALIGN, as the kernels read (padding masked out)
             for n, sz in sizes.items():
-                self.live[self._where[n]] = min(padded(sz, self.align), self.widths[n])
+                self.live[self._where[n]] = min(padded(sz, LIVE_ALIGN), self.widths[n])
             self.live_dev.copy_(self.live)
         for n, lin in self._slins.items():  # the eager prefill masks through FactorizedLinear.mask
             if n in self.widths:
