@@ -28,9 +28,9 @@ def _gate_up_u_kernel(t_ptr, Ug_ptr, Uu_ptr, h_ptr, klive_ptr, B, N, rg, ru, str
     for nb in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):  # persistent when grid < blocks
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
-        g = _gemv_tile(t_ptr, stride_t, Ug_ptr, stride_ug, offs_n, mask_n, B, kg, 0.0, B_PAD, BLOCK_N, BLOCK_K,
-                       False, PDL)
-        u = _gemv_tile(t_ptr + rg, stride_t, Uu_ptr, stride_uu, offs_n, mask_n, B, ku, 0.0, B_PAD, BLOCK_N,
+        g = _gemv_tile(t_ptr, stride_t, Ug_ptr, stride_ug, offs_n, mask_n, B, rg, kg, 0.0, B_PAD, BLOCK_N,
+                       BLOCK_K, False, PDL)
+        u = _gemv_tile(t_ptr + rg, stride_t, Uu_ptr, stride_uu, offs_n, mask_n, B, ru, ku, 0.0, B_PAD, BLOCK_N,
                        BLOCK_K, False, False)
         h = g / (1.0 + tl.exp(-g)) * u  # (B_PAD, BLOCK_N) fp32
         offs_b = tl.arange(0, B_PAD)

@@ -53,15 +53,18 @@ except ImportError:  # pragma: no cover - older triton: PDL stays off
 
 
 @triton.jit
-def _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, eps,
+def _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, K_run, eps,
                B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                NORM: tl.constexpr, PDL: tl.constexpr):
-    """acc[b, n] = sum_k x[b, k] * w[offs_n[n], k] for k in [0, K); fp32 (B_PAD, BLOCK_N).
+    """acc[b, n] = sum_k x[b, k] * w[offs_n[n], k] for k in [0, K_run); fp32 (B_PAD, BLOCK_N).
 
     x: rows b < B at x_ptr + b * stride_x, any float dtype; w: row-major rows at w_ptr + n * stride_w.
-    Both must have unit stride along k.
+    Both must have unit stride along k. K: the row length (an argument, so the compiler knows its alignment);
+    K_run <= K: where the sum stops, possibly read from memory (PARSE live widths; 0 = a block nobody needs).
+    The first weight tile is issued with K's mask before K_run is known and cleared beyond K_run afterwards, so
+    a K_run that comes from a load adds no latency, and the weights beyond it never reach the sum (not even NaN).
     NORM: also scale row b by rsqrt(mean_k x[b, k]^2 + eps), i.e. an RMSNorm of x whose weight the caller
-    folded into w's columns; the sum of squares rides along the K loop every program walks anyway.
+    folded into w's columns; the sum of squares rides along the K loop every program walks anyway (K_run = K).
     PDL: the first weight tile is loaded before waiting on the previous kernel (weights never depend on it),
     so under programmatic dependent launch the stream starts while that kernel drains.
     """
@@ -75,12 +78,13 @@ def _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, eps,
                     mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
         if PDL:
             gdc_wait()
-        xk = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        acc2 = w.to(tl.float32) * xk[None, :]  # (BLOCK_N, BLOCK_K)
+        run_k = offs_k < K_run
+        xk = tl.load(x_ptr + offs_k, mask=run_k, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        acc2 = tl.where(run_k[None, :], w.to(tl.float32), 0.0) * xk[None, :]  # (BLOCK_N, BLOCK_K)
         ss = xk * xk  # (BLOCK_K,)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
+        for k0 in range(BLOCK_K, K_run, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
+            mask_k = offs_k < K_run
             w = tl.load(w_ptr + offs_n[:, None] * stride_w + offs_k[None, :],
                         mask=mask_n[:, None] & mask_k[None, :], other=0.0,
                         eviction_policy="evict_first")  # (BLOCK_N, BLOCK_K)
@@ -97,8 +101,10 @@ def _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, eps,
                      mask=mask_k[:, None] & mask_n[None, :], other=0.0, eviction_policy="evict_first")
         if PDL:
             gdc_wait()
+        run_k = offs_k < K_run
+        wT = tl.where(run_k[:, None], wT, 0.0)
         xk = tl.load(x_ptr + offs_b[:, None] * stride_x + offs_k[None, :],
-                     mask=mask_b[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_last")
+                     mask=mask_b[:, None] & run_k[None, :], other=0.0, eviction_policy="evict_last")
         acc = tl.zeros((B_PAD, BLOCK_N), dtype=tl.float32)
         xf = xk.to(tl.float32)
         ss = tl.sum(xf * xf, axis=1)  # (B_PAD,)
@@ -106,9 +112,9 @@ def _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, eps,
             acc = tl.dot(xf, wT, acc, input_precision="ieee")
         else:
             acc = tl.dot(xk.to(wT.dtype), wT, acc)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
+        for k0 in range(BLOCK_K, K_run, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
+            mask_k = offs_k < K_run
             wT = tl.load(w_ptr + offs_n[None, :] * stride_w + offs_k[:, None],
                          mask=mask_k[:, None] & mask_n[None, :], other=0.0,
                          eviction_policy="evict_first")  # (BLOCK_K, BLOCK_N)
@@ -134,12 +140,13 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, keep_ptr, klive_ptr, B, N, K, stride_x, st
                  PDL: tl.constexpr):
     # grid (cdiv(N, BLOCK_N),): y[b, n] (+)= sum_k x[b, k] w[n, k] (RESIDUAL: added to y in place), y's dtype;
     # KEEP: y[b, n] *= keep[b, n] (PARSE: the rank components row b does not use are zeroed); a block of rows that
-    # no row keeps is written as zeros without reading its weights.
+    # no row keeps is written as zeros after reading one weight tile.
     # LIVE: only k < klive[0] is read (PARSE slots: x's columns beyond the batch's union are never used)
     if PDL:
         gdc_launch_dependents()
+    K_run = K
     if LIVE:  # rounded up to 16 and hinted so: the masks stay 16-wide and the loads vectorized (K % 16 == 0)
-        K = tl.multiple_of(tl.minimum(K, tl.cdiv(tl.load(klive_ptr), 16) * 16), 16)
+        K_run = tl.multiple_of(tl.minimum(K, tl.cdiv(tl.load(klive_ptr), 16) * 16), 16)
     # one block of BLOCK_N rows per iteration; a grid smaller than the block count (grid_cap) makes the programs
     # persistent: all resident from the start, each striding over several blocks
     for nb in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
@@ -148,19 +155,15 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, keep_ptr, klive_ptr, B, N, K, stride_x, st
         offs_b = tl.arange(0, B_PAD)
         y_ptrs = y_ptr + offs_b[:, None] * stride_y + offs_n[None, :]
         mask = (offs_b[:, None] < B) & mask_n[None, :]
-        if KEEP:
+        if KEEP:  # a block of rows that no row keeps reads one weight tile (issued before the mask is known)
             kp = tl.load(keep_ptr + offs_b[:, None] * stride_keep + offs_n[None, :], mask=mask,
                          other=0.0).to(tl.float32)  # (B_PAD, BLOCK_N)
-            if tl.max(tl.max(kp, axis=1), axis=0) > 0:
-                acc = _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, eps, B_PAD, BLOCK_N,
-                                 BLOCK_K, NORM, PDL) * kp
-            else:  # beyond every row's components: no weight traffic
-                if PDL:
-                    gdc_wait()
-                acc = tl.zeros((B_PAD, BLOCK_N), dtype=tl.float32)
+            k_blk = tl.multiple_of(tl.where(tl.max(tl.max(kp, axis=1), axis=0) > 0, K_run, 0), 16)
+            acc = _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, k_blk, eps, B_PAD, BLOCK_N,
+                             BLOCK_K, NORM, PDL) * kp
         else:
-            acc = _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, eps, B_PAD, BLOCK_N, BLOCK_K,
-                             NORM, PDL)
+            acc = _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, K_run, eps, B_PAD, BLOCK_N,
+                             BLOCK_K, NORM, PDL)
         if RESIDUAL:  # each element is owned by one program: the in-place add is race free
             acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)

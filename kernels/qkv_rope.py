@@ -44,16 +44,17 @@ def _qkv_u_rope_kernel(t_ptr, Uq_ptr, Uk_ptr, Uv_ptr, cos_ptr, sin_ptr, cache_se
     r = tl.where(is_q, rq, tl.where(is_k, rk, rv))
     stride_u = tl.where(is_q, stride_uq, tl.where(is_k, stride_uk, stride_uv))
     t_off = tl.where(is_q, 0, tl.where(is_k, rq, rq + rk))  # column of this projection's slice of t
+    r_run = r
     if LIVE:
         live = tl.load(klive_ptr + tl.where(is_q, 0, tl.where(is_k, 1, 2)))
-        r = tl.multiple_of(tl.minimum(r, tl.cdiv(live, 16) * 16), 16)  # 16-wide masks: vectorized loads
+        r_run = tl.multiple_of(tl.minimum(r, tl.cdiv(live, 16) * 16), 16)  # 16-wide masks: vectorized loads
 
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # (BLOCK_D,) in [0, HALF)
     mask_d = offs_d < HALF
     rows = head * (2 * HALF) + offs_d  # rows of U for the first half of the head
-    y1 = _gemv_tile(t_ptr + t_off, stride_t, U_ptr, stride_u, rows, mask_d, B, r, 0.0,
+    y1 = _gemv_tile(t_ptr + t_off, stride_t, U_ptr, stride_u, rows, mask_d, B, r, r_run, 0.0,
                     B_PAD, BLOCK_D, BLOCK_K, False, PDL)  # (B_PAD, BLOCK_D) fp32, dims d
-    y2 = _gemv_tile(t_ptr + t_off, stride_t, U_ptr, stride_u, rows + HALF, mask_d, B, r, 0.0,
+    y2 = _gemv_tile(t_ptr + t_off, stride_t, U_ptr, stride_u, rows + HALF, mask_d, B, r, r_run, 0.0,
                     B_PAD, BLOCK_D, BLOCK_K, False, False)  # (B_PAD, BLOCK_D) fp32, dims d + HALF
 
     offs_b = tl.arange(0, B_PAD)
