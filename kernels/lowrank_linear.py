@@ -174,8 +174,8 @@ def pad_rows(B: int) -> int:
     return 1 if B == 1 else max(16, triton.next_power_of_2(B))
 
 
-def gemv_config(B: int, N: int, on_gpu: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of _gemv_kernel for B rows of x and N rows of w.
+def gemv_config(B: int, N: int, on_gpu: bool, K: int = 0) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of _gemv_kernel for B rows of x and N rows of w of length K.
 
     GPU values from bench/kernels_gpu.py --only gemv_sweep on an H200 (triton 3.6), median us, cold L2:
       B=1, (1228, 4096): 8.9 (best 8.2);  B=1, (11008, 1791): 18.9 (best)
@@ -186,7 +186,10 @@ def gemv_config(B: int, N: int, on_gpu: bool) -> tuple[int, int, int, int]:
         return 16, 64, 1, 1
     if B == 1:
         return 4, 1024, 4, 1
-    return (16, 512, 4, 4) if N < 4096 else (32, 256, 4, 2)  # few rows: fewer, deeper programs
+    # few rows, or long ones (the V stages, K = hidden): deep pipelines of narrow tiles. A PARSE slot's V stage
+    # (N = 3 x 2464 rows of 4096 at B = 8) ran 23% slower in all _gemv_kernel launches with (32, 256, 4, 2)
+    # (profile of one step, bench/results/parse.md), as the union-sized work of the static model's (16, 512, 4, 4)
+    return (16, 512, 4, 4) if N < 4096 or K >= 4096 else (32, 256, 4, 2)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, norm_eps: float | None = None,
@@ -211,7 +214,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, n
     assert out is not None or not residual, "residual=True adds into out: pass it"
     if out is None:
         out = torch.empty(B, N, device=x.device, dtype=x.dtype)
-    BLOCK_N, BLOCK_K, num_warps, num_stages = gemv_config(B, N, x.is_cuda)
+    BLOCK_N, BLOCK_K, num_warps, num_stages = gemv_config(B, N, x.is_cuda, K)
     if keep is not None:
         assert keep.shape == (B, N) and keep.stride(1) == 1, "keep wants (B, N), unit stride on N"
     if klive is not None:
