@@ -281,37 +281,56 @@ def case_decode_step(B, L, n_layers=32):
             "tok_per_s": 1e3 / ms, "shape": dict(B=B, L=L, n_layers=n_layers, r_attn=r_attn, r_mlp=r_mlp, num_splits=ns)}
 
 
-def gemv_sweep():
-    """Times _gemv_kernel tile configs at the V and U stage shapes; the winners go into gemv_config."""
+def _gemv_launch(x, w, y, BLOCK_N, BLOCK_K, num_warps, num_stages, keep=None, klive=None):
+    """One raw _gemv_kernel launch with an explicit tile config (what gemv() would pick is in gemv_config)."""
     import triton
     from rankserve.kernels.lowrank_linear import _gemv_kernel, pad_rows
+    B, K = x.shape
+    N = w.shape[0]
+    kp = keep if keep is not None else y
+    _gemv_kernel[(triton.cdiv(N, BLOCK_N),)](
+        x, w, y, kp, klive if klive is not None else kp, B, N, K, x.stride(0), w.stride(0), y.stride(0),
+        kp.stride(0), 0.0, B_PAD=pad_rows(B), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NORM=False, RESIDUAL=False,
+        KEEP=keep is not None, LIVE=klive is not None, PDL=False, num_warps=num_warps, num_stages=num_stages)
+
+
+def gemv_sweep():
+    """Times _gemv_kernel tile configs at the V and U stage shapes; the winners go into gemv_config.
+
+    Also the PARSE slot shapes at B = 8 (union 1.05 K in a 2 K slot, 16-padded as the engine pads): the V stage
+    with half of its rows beyond the union (keep mask) and the U stage reading a live prefix of longer rows."""
     rows = []
-    for B in (1, 8):
-        # the V stage (bf16 x, K = hidden) and the widest U stage (fp32 t, N = inter); other shapes sit between
-        for N, K in ((rank(HIDDEN, HIDDEN), HIDDEN), (INTER, rank(INTER, HIDDEN))):
-            x = _randn(B, K) if K == HIDDEN else torch.randn(B, K, device="cuda")
-            w = _randn(N, K)
-            y = torch.empty(B, N, device="cuda")
-            best = None
-            if B == 1:
-                configs = [(bn, bk, nw, 1) for bn in (1, 2, 4) for bk in (1024, 2048, 4096) for nw in (4, 8)]
-            else:
-                configs = [(bn, bk, 4, ns) for bn in (16, 32) for bk in (128, 256, 512) for ns in (2, 3, 4)]
-            for BLOCK_N, BLOCK_K, num_warps, num_stages in configs:
-                try:
-                    fn = lambda: _gemv_kernel[(triton.cdiv(N, BLOCK_N),)](
-                        x, w, y, B, N, K, x.stride(0), w.stride(0), y.stride(0), B_PAD=pad_rows(B),
-                        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=num_stages)
-                    ms = _ms(fn, rep=20)
-                except Exception:  # a config that does not compile is skipped, loudly
-                    traceback.print_exc()
-                    continue
-                gbps = _nbytes(x, w, y) / ms / 1e6
-                rows.append(dict(B=B, N=N, K=K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=num_warps,
-                                 num_stages=num_stages, ms=ms, gbps=gbps))
-                if best is None or ms < best["ms"]:
-                    best = rows[-1]
-            print(f"  gemv B={B} N={N} K={K}: best {best}")
+    r_qkv, r_gu = 1232, 1792  # svd-llm keep 0.6 ranks of q/k/v/o and gate/up/down, padded to 16
+    shapes = [  # (label, B, N, K, live or None, V stage with dead half?)
+        ("v-static", 8, 3 * r_qkv, HIDDEN, None, False), ("u-static", 8, INTER, r_gu, None, False),
+        ("v-slot", 8, 6 * r_qkv, HIDDEN, None, True), ("u-slot", 8, INTER, 2 * r_gu, 1888, False),
+        ("v-static", 1, 3 * r_qkv, HIDDEN, None, False), ("u-static", 1, INTER, r_gu, None, False)]
+    for label, B, N, K, live, dead in shapes:
+        x = _randn(B, K) if K == HIDDEN else torch.randn(B, K, device="cuda")
+        w = _randn(N, K)
+        y = torch.empty(B, N, device="cuda")
+        keep = None
+        if dead:  # q, k, v segments of 2 r each, the first r live (all rows keep them)
+            keep = torch.zeros(B, N, device="cuda", dtype=DT)
+            for s0 in range(0, N, 2 * r_qkv):
+                keep[:, s0:s0 + r_qkv] = 1
+        klive = torch.tensor([live], dtype=torch.int32, device="cuda") if live else None
+        if B == 1:
+            configs = [(bn, bk, nw, 1) for bn in (2, 4) for bk in (1024, 2048) for nw in (4, 8)]
+        else:
+            configs = [(bn, bk, 4, ns) for bn in (16, 32) for bk in (64, 128, 256, 512) for ns in (3, 4)]
+        best = None
+        for cfg in configs:
+            try:
+                ms = _ms(lambda: _gemv_launch(x, w, y, *cfg, keep=keep, klive=klive), rep=20)
+            except Exception:  # a config that does not compile is skipped, loudly
+                traceback.print_exc()
+                continue
+            rows.append(dict(label=label, B=B, N=N, K=K, live=live, BLOCK_N=cfg[0], BLOCK_K=cfg[1],
+                             num_warps=cfg[2], num_stages=cfg[3], ms=ms))
+            if best is None or ms < best["ms"]:
+                best = rows[-1]
+        print(f"  gemv {label} B={B} N={N} K={K} live={live}: best {best}", flush=True)
     return rows
 
 

@@ -186,9 +186,9 @@ def gemv_config(B: int, N: int, on_gpu: bool, K: int = 0) -> tuple[int, int, int
         return 16, 64, 1, 1
     if B == 1:
         return 4, 1024, 4, 1
-    # few rows, or long ones (the V stages, K = hidden): deep pipelines of narrow tiles. A PARSE slot's V stage
-    # (N = 3 x 2464 rows of 4096 at B = 8) ran 23% slower in all _gemv_kernel launches with (32, 256, 4, 2)
-    # (profile of one step, bench/results/parse.md), as the union-sized work of the static model's (16, 512, 4, 4)
+    # few rows, or long ones (the V stages, K = hidden): deep pipelines of narrow tiles. PARSE slots at B = 8
+    # (V stages of N = 3 x 2464 rows, half of them beyond the live union): all _gemv_kernel launches of a step took
+    # 2.96 ms with (32, 256, 4, 2) for those, 2.85 with this (static model: 2.39; bench/step_profile.py)
     return (16, 512, 4, 4) if N < 4096 or K >= 4096 else (32, 256, 4, 2)
 
 
