@@ -179,17 +179,21 @@ def gemv_config(B: int, N: int, on_gpu: bool, K: int = 0) -> tuple[int, int, int
 
     GPU values from bench/kernels_gpu.py --only gemv_sweep on an H200 (triton 3.6), median us, cold L2:
       B=1, (1228, 4096): 8.9 (best 8.2);  B=1, (11008, 1791): 18.9 (best)
-      B=8, (1228, 4096): 11.4 (best);     B=8, (11008, 1791): 30.8 (best)
+      B=8: see below (a later sweep with more configs and the PARSE slot shapes)
     Under the CPU interpreter big tiles mean fewer (slow, Python-level) programs.
     """
     if not on_gpu:
         return 16, 64, 1, 1
     if B == 1:
         return 4, 1024, 4, 1
-    # few rows, or long ones (the V stages, K = hidden): deep pipelines of narrow tiles. PARSE slots at B = 8
-    # (V stages of N = 3 x 2464 rows, half of them beyond the live union): all _gemv_kernel launches of a step took
-    # 2.96 ms with (32, 256, 4, 2) for those, 2.85 with this (static model: 2.39; bench/step_profile.py)
-    return (16, 512, 4, 4) if N < 4096 or K >= 4096 else (32, 256, 4, 2)
+    # B > 1, from the sweep at the LLaMA-7B and PARSE-slot shapes (bench/kernels_gpu.py --only gemv_sweep,
+    # kernels-h200-gemv-slot-sweep.json, us, cold L2): U stages (K = rank < 4096, N = 11008): (32, 128, 4, 4)
+    # 20.0 static / 21.1 slot (live 1888 of 3584) vs 23.0 / 27.4 with (32, 256, 4, 4); V stages (K = hidden):
+    # (32, 256, 4, 4) 17.9 static (N = 3696) / 19.6 slot (N = 7392, half beyond the union) vs 18.8 / 24.5 with
+    # (16, 512, 4, 4), which stays for few rows (o, down: N = 1232 / 1792; 11.4 us at N = 1228, earlier sweep)
+    if N < 2048:
+        return 16, 512, 4, 4
+    return (32, 256, 4, 4) if K >= 4096 else (32, 128, 4, 4)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, norm_eps: float | None = None,
