@@ -1,0 +1,70 @@
+"""PARSE quality when the whole window is the prompt (the subset routed from the very tokens that are scored).
+
+`bench/parse.py` routes on each window's first 64 tokens and scores the rest (a request that generates). Here
+each held-out window is routed on all of its tokens and every token after BOS is scored, as a prefill-time
+perplexity evaluation would do; the subset then "sees" the future of every scored position, so this is the
+most favourable protocol for PARSE, reported as a bound next to the strict one. Uses the checkpoints that
+`bench/parse.py` cached (static and PARSE, reference model, keep 0.6, r_max = 2 K).
+
+Usage: python -m rankserve.bench.parse_window --base svd-llm --tag valid [--seq-len 256] [--max-tokens 40000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics as st
+import sys
+from pathlib import Path
+
+import torch
+
+from rankserve.bench.decode import write_json
+from rankserve.bench.parse import SHARED, _score, _windows
+from rankserve.workers.checkpoint import load_checkpoint
+from rankserve.workers.parse import load_parse, select_batch
+from rankserve.workers.tokenizer import Tokenizer
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m rankserve.bench.parse_window", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", default="svd-llm", choices=["svd-llm", "basis-sharing"])
+    ap.add_argument("--tag", default="valid", help="router corpus tag of the cached PARSE checkpoint")
+    ap.add_argument("--model", default="models/reference")
+    ap.add_argument("--cache", default=".cache/parse")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=40000)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    static_dir = Path(a.cache) / f"{Path(a.model).name}-{a.base}-0.6"
+    parse_dir = Path(a.cache) / f"{Path(a.model).name}-parse-{a.base}-0.6-x2-{a.tag}"
+    for d in (static_dir, parse_dir):
+        if not d.is_dir():
+            print(f"error: {d} is missing; run python -m rankserve.bench.parse first", file=sys.stderr)
+            return 2
+    tok = Tokenizer.load(a.model)
+    dense, _ = load_checkpoint(a.model, "cpu", torch.float32)
+    text = (SHARED / "wikitext-2-raw-test" / "wiki.test.raw").read_text(encoding="utf-8", errors="replace")
+    windows = _windows(text, tok, a.seq_len, math.ceil(a.max_tokens / (a.seq_len - 1)))
+    static, _ = load_checkpoint(static_dir, "cpu", torch.float32)
+    model, _ = load_checkpoint(parse_dir, "cpu", torch.float32)
+    routers = load_parse(parse_dir, model)
+    with torch.inference_mode():
+        subsets = [s for i in range(0, len(windows), 8) for s in select_batch(model, routers, windows[i:i + 8])]
+        res = _score(dense, {"static": (static, None), "parse (whole-window routing)": (model, subsets)},
+                     windows, 1, 8)
+    diff = [p - s for p, s in zip(res["parse (whole-window routing)"]["window_nll"], res["static"]["window_nll"])]
+    paired = dict(mean=st.mean(diff), ci95=1.96 * st.stdev(diff) / math.sqrt(len(diff)), windows=len(diff))
+    for name, r in res.items():
+        print(f"{name}: perplexity {r['perplexity']:.2f}, top-1 agreement {r['top1_agreement']:.4f}, "
+              f"KL {r['kl']:.4f}, {r['tokens']} tokens")
+    print(f"paired Δ NLL (PARSE − static) {paired['mean']:+.4f} ± {paired['ci95']:.4f} over {paired['windows']} windows")
+    if a.out:
+        write_json(Path(a.out), dict(base=a.base, tag=a.tag, seq_len=a.seq_len, paired=paired,
+                                     results={k: {m: v for m, v in r.items() if m != "window_nll"}
+                                              for k, r in res.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
