@@ -291,7 +291,8 @@ def _gemv_launch(x, w, y, BLOCK_N, BLOCK_K, num_warps, num_stages, keep=None, kl
     _gemv_kernel[(triton.cdiv(N, BLOCK_N),)](
         x, w, y, kp, klive if klive is not None else kp, B, N, K, x.stride(0), w.stride(0), y.stride(0),
         kp.stride(0), 0.0, B_PAD=pad_rows(B), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NORM=False, RESIDUAL=False,
-        KEEP=keep is not None, LIVE=klive is not None, PDL=False, num_warps=num_warps, num_stages=num_stages)
+        KEEP=keep is not None, LIVE=klive is not None, PDL=False, STAGES=num_stages if B == 1 else 1,
+        num_warps=num_warps, num_stages=num_stages)
 
 
 def gemv_sweep():
@@ -316,7 +317,7 @@ def gemv_sweep():
                 keep[:, s0:s0 + r_qkv] = 1
         klive = torch.tensor([live], dtype=torch.int32, device="cuda") if live else None
         if B == 1:
-            configs = [(bn, bk, nw, 1) for bn in (2, 4) for bk in (1024, 2048) for nw in (4, 8)]
+            configs = [(bn, bk, 4, ns) for bn in (2, 4, 8) for bk in (512, 1024, 2048) for ns in (1, 2, 3, 4)]
         else:
             configs = [(bn, bk, 4, ns) for bn in (16, 32) for bk in (64, 128, 256, 512) for ns in (3, 4)]
         best = None

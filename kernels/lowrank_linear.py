@@ -55,7 +55,7 @@ except ImportError:  # pragma: no cover - older triton: PDL stays off
 @triton.jit
 def _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, K_run, eps,
                B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               NORM: tl.constexpr, PDL: tl.constexpr):
+               NORM: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr):
     """acc[b, n] = sum_k x[b, k] * w[offs_n[n], k] for k in [0, K_run); fp32 (B_PAD, BLOCK_N).
 
     x: rows b < B at x_ptr + b * stride_x, any float dtype; w: row-major rows at w_ptr + n * stride_w.
@@ -67,6 +67,8 @@ def _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, K_run, ep
     folded into w's columns; the sum of squares rides along the K loop every program walks anyway (K_run = K).
     PDL: the first weight tile is loaded before waiting on the previous kernel (weights never depend on it),
     so under programmatic dependent launch the stream starts while that kernel drains.
+    STAGES (B = 1): software-pipeline depth of the K loop; > 1 streams the weight tiles through shared memory
+    (cp.async), STAGES - 1 tiles ahead. B > 1 pipelines through the launch's num_stages (the tl.dot loop).
     """
     offs_b = tl.arange(0, B_PAD)
     mask_b = offs_b < B
@@ -82,7 +84,7 @@ def _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, K_run, ep
         xk = tl.load(x_ptr + offs_k, mask=run_k, other=0.0, eviction_policy="evict_last").to(tl.float32)
         acc2 = tl.where(run_k[None, :], w.to(tl.float32), 0.0) * xk[None, :]  # (BLOCK_N, BLOCK_K)
         ss = xk * xk  # (BLOCK_K,)
-        for k0 in range(BLOCK_K, K_run, BLOCK_K):
+        for k0 in tl.range(BLOCK_K, K_run, BLOCK_K, num_stages=STAGES):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K_run
             w = tl.load(w_ptr + offs_n[:, None] * stride_w + offs_k[None, :],
@@ -137,7 +139,7 @@ def _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, K_run, ep
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, keep_ptr, klive_ptr, B, N, K, stride_x, stride_w, stride_y, stride_keep, eps,
                  B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  NORM: tl.constexpr, RESIDUAL: tl.constexpr, KEEP: tl.constexpr, LIVE: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PDL: tl.constexpr, STAGES: tl.constexpr):
     # grid (cdiv(N, BLOCK_N),): y[b, n] (+)= sum_k x[b, k] w[n, k] (RESIDUAL: added to y in place), y's dtype;
     # KEEP: y[b, n] *= keep[b, n] (PARSE: the rank components row b does not use are zeroed); a block of rows that
     # no row keeps is written as zeros after reading one weight tile.
@@ -160,10 +162,10 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, keep_ptr, klive_ptr, B, N, K, stride_x, st
                          other=0.0).to(tl.float32)  # (B_PAD, BLOCK_N)
             k_blk = tl.multiple_of(tl.where(tl.max(tl.max(kp, axis=1), axis=0) > 0, K_run, 0), 16)
             acc = _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, k_blk, eps, B_PAD, BLOCK_N,
-                             BLOCK_K, NORM, PDL) * kp
+                             BLOCK_K, NORM, PDL, STAGES) * kp
         else:
             acc = _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, K_run, eps, B_PAD, BLOCK_N,
-                             BLOCK_K, NORM, PDL)
+                             BLOCK_K, NORM, PDL, STAGES)
         if RESIDUAL:  # each element is owned by one program: the in-place add is race free
             acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
@@ -198,7 +200,7 @@ def gemv_config(B: int, N: int, on_gpu: bool, K: int = 0) -> tuple[int, int, int
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, norm_eps: float | None = None,
          residual: bool = False, keep: torch.Tensor | None = None, klive: torch.Tensor | None = None,
-         pdl: bool = False, grid_cap: int = 0) -> torch.Tensor:
+         pdl: bool = False, grid_cap: int = 0, stages: int = 0) -> torch.Tensor:
     """y = x @ wᵀ for a few rows of x, fp32 accumulation.
 
     x: (B, K) bf16/fp16/fp32, unit stride along K. w: (N, K) row-major, unit stride along K.
@@ -209,7 +211,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, n
     klive: optional int32 device tensor; only the first klive[0] columns of x and w are read, rounded up to 16
     (PARSE slots: the batch's union is stored first; read on the device, so a captured graph follows its
     changes). Needs K % 16 == 0: the kernel promises the compiler 16-wide masks, which keeps loads vectorized. grid_cap: at most this many programs (0 = one
-    per block of rows), each then striding over several blocks (persistent programs). pdl: launch with programmatic dependent launch (Hopper+,
+    per block of rows), each then striding over several blocks (persistent programs). stages: pipeline depth of
+    the weight stream (0 = gemv_config's; see _gemv_tile's STAGES). pdl: launch with programmatic dependent launch (Hopper+,
     CUDA only). Returns out. No host sync, no allocation when out is given (CUDA-graph capturable).
     """
     B, K = x.shape
@@ -219,6 +222,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, n
     if out is None:
         out = torch.empty(B, N, device=x.device, dtype=x.dtype)
     BLOCK_N, BLOCK_K, num_warps, num_stages = gemv_config(B, N, x.is_cuda, K)
+    num_stages = stages or num_stages
     if keep is not None:
         assert keep.shape == (B, N) and keep.stride(1) == 1, "keep wants (B, N), unit stride on N"
     if klive is not None:
@@ -230,7 +234,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, n
         x, w, out, kp, klive if klive is not None else kp, B, N, K, x.stride(0), w.stride(0), out.stride(0),
         kp.stride(0), float(norm_eps or 0.0),
         B_PAD=pad_rows(B), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NORM=norm_eps is not None, RESIDUAL=residual,
-        KEEP=keep is not None, LIVE=klive is not None, PDL=pdl, num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl))
+        KEEP=keep is not None, LIVE=klive is not None, PDL=pdl, STAGES=num_stages if B == 1 else 1,
+        num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl))
     return out
 
 
@@ -247,23 +252,23 @@ def pdl_supported(device: torch.device) -> bool:
 def lowrank_linear(x: torch.Tensor, V: torch.Tensor, U: torch.Tensor, *,
                    out: torch.Tensor | None = None, t: torch.Tensor | None = None, residual: bool = False,
                    keep: torch.Tensor | None = None, klive: torch.Tensor | None = None, pdl: bool = False,
-                   grid_cap: int = 0) -> torch.Tensor:
+                   grid_cap: int = 0, stages: int = 0) -> torch.Tensor:
     """y = U (V x) for each row of x: the canonical factorization W (out, in) ~ U (out, r) @ V (r, in).
 
     x: (B, in), B <= 8 (decode rows), bf16 (GPU) or fp32; V: (r, in) and U: (out, r) row-major, x.dtype.
     t: optional fp32 (B, r) scratch for V x (kept in fp32 so the rank-space activation is not rounded).
     out: optional (B, out) buffer, x.dtype; residual: out += U (V x) in place (the decoder's residual stream).
     keep: optional (B, r) 0/1 mask of each row's rank components (PARSE), applied to V x. klive: optional int32
-    (1,) device tensor: only the first klive[0] components are in use (see gemv). grid_cap: see gemv.
+    (1,) device tensor: only the first klive[0] components are in use (see gemv). grid_cap, stages: see gemv.
     Two launches, no host sync; no allocation when out and t are given.
     """
     B = x.shape[0]
     if t is None:
         t = torch.empty(B, V.shape[0], device=x.device, dtype=torch.float32)
-    gemv(x, V, out=t, keep=keep, pdl=pdl, grid_cap=grid_cap)  # (B, r) fp32
+    gemv(x, V, out=t, keep=keep, pdl=pdl, grid_cap=grid_cap, stages=stages)  # (B, r) fp32
     if out is None:
         out = torch.empty(B, U.shape[0], device=x.device, dtype=x.dtype)
-    return gemv(t, U, out=out, residual=residual, klive=klive, pdl=pdl, grid_cap=grid_cap)
+    return gemv(t, U, out=out, residual=residual, klive=klive, pdl=pdl, grid_cap=grid_cap, stages=stages)
 
 
 def lowrank_linear_ref(x: torch.Tensor, V: torch.Tensor, U: torch.Tensor) -> torch.Tensor:

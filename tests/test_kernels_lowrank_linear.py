@@ -91,3 +91,16 @@ def test_persistent_programs_cover_every_block(B, grid_cap):
     lowrank_linear(x, V, U, out=y, grid_cap=grid_cap)
     assert_close(y, lowrank_linear_ref(*to64(x, V, U)), lowrank_linear_ref(x, V, U),
                  f"lowrank_linear grid_cap={grid_cap} B={B} seed={seed}")
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("B", [1, 4])
+def test_lowrank_linear_pipelined(B, stages):
+    """stages > 1 (the weight stream software-pipelined) computes the same product."""
+    seed = fresh_seed()
+    dtype = DTYPES[0]
+    x = randn(B, 200, dtype=dtype)
+    V, U = randn(48, 200, dtype=dtype, scale=200 ** -0.5), randn(96, 48, dtype=dtype, scale=48 ** -0.5)
+    y = lowrank_linear(x, V, U, stages=stages)
+    assert_close(y, lowrank_linear_ref(*to64(x, V, U)), lowrank_linear_ref(x, V, U),
+                 f"lowrank_linear stages={stages} B={B} seed={seed}")

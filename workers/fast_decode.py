@@ -47,10 +47,15 @@ class DecodeConfig:
     # Triton GEMVs: cap the grid at this many programs per SM (persistent programs striding over blocks); 0 = one
     # program per block of rows. On CPU (interpreter) the number is the program count itself.
     persistent: int = 0
+    # Triton GEMVs: software-pipeline depth of the weight stream (B = 1: tiles through shared memory, this many
+    # stages; B > 1: the tl.dot loop's num_stages); 0 = the kernels' tuned default (kernels/lowrank_linear.py)
+    gemv_stages: int = 0
 
     def __post_init__(self) -> None:
         if self.attn_merge not in ("separate", "fused"):
             raise ValueError(f"attn_merge must be 'separate' or 'fused', got {self.attn_merge!r}")
+        if self.gemv_stages < 0:
+            raise ValueError(f"gemv_stages must be >= 0, got {self.gemv_stages}")
         if self.persistent < 0:
             raise ValueError(f"persistent must be >= 0, got {self.persistent}")
         if self.pdl not in ("auto", "on", "off"):
@@ -236,7 +241,7 @@ class FastDecoder:
     def _finish(self) -> None:
         if self.fuse and not self._pending:  # one GEMV: final norm (folded into head_n) + head, fp32 logits
             self._k["ll"].gemv(self.x, self.head_n, out=self.logits, norm_eps=self.cfg.rms_norm_eps, pdl=self.pdl,
-                               grid_cap=self.grid_cap)
+                               grid_cap=self.grid_cap, stages=self.dcfg.gemv_stages)
         else:
             self._norm(self.y if self._pending else self.x, self.model.norm.weight, self.h,
                        residual=self.x if self._pending else None)
@@ -268,21 +273,22 @@ class FastDecoder:
     def _layer_fused(self, i: int) -> None:
         """Ten kernels: norms inside the V GEMVs, residual adds in the o/down epilogues; x is the residual stream."""
         L, B, eps, pdl, cap = self.layers[i], self.dcfg.batch_size, self.cfg.rms_norm_eps, self.pdl, self.grid_cap
+        st = self.dcfg.gemv_stages
         kc, vc = self.cache.k[i], self.cache.v[i]  # (B, S_max, H_kv, D)
         k = self._k
         k["qkv"].qkv_rope(self.x, L.Vqkv, L.Uq, L.Uk, L.Uv, self.cos, self.sin, kc, vc, self.cache.seqlens,
                           q_out=self.q, t=self.t[:, :sum(L.qkv_split)], norm_eps=eps, keep=L.keep_qkv,
-                          klive=L.klive(0, 3), pdl=pdl, grid_cap=cap)
+                          klive=L.klive(0, 3), pdl=pdl, grid_cap=cap, stages=st)
         k["attn"].decode_attention(self.q, kc, vc, self.cache.seqlens, num_splits=self.num_splits, out=self.a,
                                    mid_o=self.mid_o, mid_lse=self.mid_lse, pdl=pdl, counter=self.attn_counter)
         o = L.proj["o"]
         k["ll"].lowrank_linear(self.a.view(B, -1), o.V, o.U, out=self.x, t=self.t[:, :o.rank], residual=True,
-                               keep=L.keep_o, klive=L.klive(3, 4), pdl=pdl, grid_cap=cap)
+                               keep=L.keep_o, klive=L.klive(3, 4), pdl=pdl, grid_cap=cap, stages=st)
         k["gu"].gate_up(self.x, L.Vgu, L.Ug, L.Uu, out=self.m, t=self.t[:, :sum(L.gu_split)], norm_eps=eps,
-                        keep=L.keep_gu, klive=L.klive(4, 6), pdl=pdl, grid_cap=cap)
+                        keep=L.keep_gu, klive=L.klive(4, 6), pdl=pdl, grid_cap=cap, stages=st)
         d = L.proj["down"]
         k["ll"].lowrank_linear(self.m, d.V, d.U, out=self.x, t=self.t[:, :d.rank], residual=True, keep=L.keep_down,
-                               klive=L.klive(6, 7), pdl=pdl, grid_cap=cap)
+                               klive=L.klive(6, 7), pdl=pdl, grid_cap=cap, stages=st)
 
     def _layer_unfused(self, i: int) -> None:
         L, B = self.layers[i], self.dcfg.batch_size
@@ -295,7 +301,7 @@ class FastDecoder:
         if fused:
             self._k["qkv"].qkv_rope(self.h, L.Vqkv, L.Uq, L.Uk, L.Uv, self.cos, self.sin, kc, vc, seqlens,
                                     q_out=self.q, t=self.t[:, :sum(L.qkv_split)], keep=L.keep_qkv,
-                                    klive=L.klive(0, 3))
+                                    klive=L.klive(0, 3), stages=self.dcfg.gemv_stages)
         else:
             self._qkv_torch(L, kc, vc, seqlens)
         if self.use_triton:
@@ -308,7 +314,7 @@ class FastDecoder:
         self._norm(self.y, L.mlp_norm, self.h, residual=self.x)
         if fused:
             self._k["gu"].gate_up(self.h, L.Vgu, L.Ug, L.Uu, out=self.m, t=self.t[:, :sum(L.gu_split)],
-                                  keep=L.keep_gu, klive=L.klive(4, 6))
+                                  keep=L.keep_gu, klive=L.klive(4, 6), stages=self.dcfg.gemv_stages)
         else:
             if hasattr(L, "Vgu"):
                 tg, tu = _masked(self.h @ L.Vgu.t(), L.keep_gu).split(L.gu_split, dim=-1)
@@ -321,7 +327,8 @@ class FastDecoder:
     def _linear(self, lin, x: torch.Tensor, out: torch.Tensor, fused: bool, keep: torch.Tensor | None,
                 klive: torch.Tensor | None = None) -> None:
         if fused:
-            self._k["ll"].lowrank_linear(x, lin.V, lin.U, out=out, t=self.t[:, :lin.rank], keep=keep, klive=klive)
+            self._k["ll"].lowrank_linear(x, lin.V, lin.U, out=out, t=self.t[:, :lin.rank], keep=keep, klive=klive,
+                                         stages=self.dcfg.gemv_stages)
         elif lin.factorized:
             torch.mm(_masked(x @ lin.V.t(), keep), lin.U.t(), out=out)  # cuBLAS, rank vector in the activation dtype
         else:
