@@ -48,13 +48,15 @@ class DecodeConfig:
     # program per block of rows. On CPU (interpreter) the number is the program count itself.
     persistent: int = 0
     # Triton GEMVs: software-pipeline depth of the weight stream (B = 1: tiles through shared memory, this many
-    # stages; B > 1: the tl.dot loop's num_stages); 0 = the kernels' tuned default (kernels/lowrank_linear.py)
-    gemv_stages: int = 0
+    # stages; B > 1: the tl.dot loop's num_stages); 0 = the kernels' per-kernel tuned default; None = the measured
+    # winner for the whole step: 2 at B = 1 (3.259 vs 3.458 ms/token on the H200, same run,
+    # bench/results/decode-h200-stages.json), the kernels' default at B > 1
+    gemv_stages: int | None = None
 
     def __post_init__(self) -> None:
         if self.attn_merge not in ("separate", "fused"):
             raise ValueError(f"attn_merge must be 'separate' or 'fused', got {self.attn_merge!r}")
-        if self.gemv_stages < 0:
+        if self.gemv_stages is not None and self.gemv_stages < 0:
             raise ValueError(f"gemv_stages must be >= 0, got {self.gemv_stages}")
         if self.persistent < 0:
             raise ValueError(f"persistent must be >= 0, got {self.persistent}")
@@ -66,6 +68,12 @@ class DecodeConfig:
             raise ValueError(f"backend must be 'triton' or 'torch', got {self.backend!r}")
         if self.graph not in ("none", "layer", "step"):
             raise ValueError(f"graph must be 'none', 'layer' or 'step', got {self.graph!r}")
+
+    def stages(self) -> int:
+        """The GEMVs' pipeline depth (0 = the kernels' default)."""
+        if self.gemv_stages is None:
+            return 2 if self.batch_size == 1 else 0
+        return self.gemv_stages
 
     def fused(self) -> bool:
         """Whether the ten-kernel fused layer runs (Triton GEMVs and fuse_norm, or its B-dependent default)."""
@@ -241,7 +249,7 @@ class FastDecoder:
     def _finish(self) -> None:
         if self.fuse and not self._pending:  # one GEMV: final norm (folded into head_n) + head, fp32 logits
             self._k["ll"].gemv(self.x, self.head_n, out=self.logits, norm_eps=self.cfg.rms_norm_eps, pdl=self.pdl,
-                               grid_cap=self.grid_cap, stages=self.dcfg.gemv_stages)
+                               grid_cap=self.grid_cap, stages=self.dcfg.stages())
         else:
             self._norm(self.y if self._pending else self.x, self.model.norm.weight, self.h,
                        residual=self.x if self._pending else None)
@@ -273,7 +281,7 @@ class FastDecoder:
     def _layer_fused(self, i: int) -> None:
         """Ten kernels: norms inside the V GEMVs, residual adds in the o/down epilogues; x is the residual stream."""
         L, B, eps, pdl, cap = self.layers[i], self.dcfg.batch_size, self.cfg.rms_norm_eps, self.pdl, self.grid_cap
-        st = self.dcfg.gemv_stages
+        st = self.dcfg.stages()
         kc, vc = self.cache.k[i], self.cache.v[i]  # (B, S_max, H_kv, D)
         k = self._k
         k["qkv"].qkv_rope(self.x, L.Vqkv, L.Uq, L.Uk, L.Uv, self.cos, self.sin, kc, vc, self.cache.seqlens,
@@ -301,7 +309,7 @@ class FastDecoder:
         if fused:
             self._k["qkv"].qkv_rope(self.h, L.Vqkv, L.Uq, L.Uk, L.Uv, self.cos, self.sin, kc, vc, seqlens,
                                     q_out=self.q, t=self.t[:, :sum(L.qkv_split)], keep=L.keep_qkv,
-                                    klive=L.klive(0, 3), stages=self.dcfg.gemv_stages)
+                                    klive=L.klive(0, 3), stages=self.dcfg.stages())
         else:
             self._qkv_torch(L, kc, vc, seqlens)
         if self.use_triton:
@@ -314,7 +322,7 @@ class FastDecoder:
         self._norm(self.y, L.mlp_norm, self.h, residual=self.x)
         if fused:
             self._k["gu"].gate_up(self.h, L.Vgu, L.Ug, L.Uu, out=self.m, t=self.t[:, :sum(L.gu_split)],
-                                  keep=L.keep_gu, klive=L.klive(4, 6), stages=self.dcfg.gemv_stages)
+                                  keep=L.keep_gu, klive=L.klive(4, 6), stages=self.dcfg.stages())
         else:
             if hasattr(L, "Vgu"):
                 tg, tu = _masked(self.h @ L.Vgu.t(), L.keep_gu).split(L.gu_split, dim=-1)
@@ -328,7 +336,7 @@ class FastDecoder:
                 klive: torch.Tensor | None = None) -> None:
         if fused:
             self._k["ll"].lowrank_linear(x, lin.V, lin.U, out=out, t=self.t[:, :lin.rank], keep=keep, klive=klive,
-                                         stages=self.dcfg.gemv_stages)
+                                         stages=self.dcfg.stages())
         elif lin.factorized:
             torch.mm(_masked(x @ lin.V.t(), keep), lin.U.t(), out=out)  # cuBLAS, rank vector in the activation dtype
         else:
