@@ -21,6 +21,10 @@ Alternatives measured (bench/kernels_gpu.py --only gemv_sweep, H200):
   - one fused launch splitting r (each program: t_chunk = V_chunk x, then atomically y += U[:, chunk] t_chunk):
     saves a launch but needs a zeroed fp32 y, an extra cast and out * r / chunk fp32 atomics.
 
+Pipelining: at B = 1 the K loop is a `tl.range` with num_stages = STAGES (weight tiles through shared memory,
+cp.async); the decoder runs 2 at B = 1 (3.259 vs 3.458 ms/token for the whole step, decode.md). PARSE slots:
+`keep` masks skip dead row blocks and `klive` bounds the K loop by a live width read on the device.
+
 Fusions the decoder uses (workers/fast_decode.py):
   - NORM: the RMSNorm before q/k/v, gate/up and the LM head rides in the GEMV that reads the residual stream:
     the norm weight is folded into w's columns at load time and every program already walks the whole row,
