@@ -495,6 +495,14 @@ def bench_prefill_cmd(args: list[str] = typer.Argument(None, help="arguments pas
     sys.exit(main(["--prefill-only", *(args or [])]))
 
 
+@bench_app.command("parse-speed")
+def bench_parse_speed_cmd(args: list[str] = typer.Argument(None, help="arguments passed to bench/parse_speed.py")) -> None:
+    """GPU PARSE speed: rank slots vs static truncation at the same K (B = 1 and 8, routed-like overlap)."""
+    from rankserve.bench.parse_speed import main
+
+    sys.exit(main(args or []))
+
+
 @bench_app.command("load")
 def bench_load_cmd(args: list[str] = typer.Argument(None, help="arguments passed to bench/load.py")) -> None:
     """Staged-concurrency load test against the local service."""

@@ -204,3 +204,15 @@ def test_build_rank_cache_fills_what_the_router_looks_up(parse_model, tmp_path):
         redis.stop()
     assert_clean_error(rankserve("build-rank-cache", parse_model, "--prompts", tmp_path / "prompts.txt",
                                  "--redis-url", redis.url, "--family", "parse-tiny"), f"cannot reach Redis at {redis.url}")
+
+
+def test_bench_parse_speed_without_a_gpu_says_so():
+    """`rankserve bench parse-speed` on a machine without CUDA: a clear error and exit 2, no traceback."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the command would run the benchmark")
+    r = subprocess.run([sys.executable, "-m", "rankserve.cli", "bench", "parse-speed", "--", "--batches", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
