@@ -38,13 +38,14 @@ def rel_err(out: torch.Tensor, ref64: torch.Tensor) -> float:
     return ((out.double() - ref64).abs().max() / ref64.abs().max().clamp_min(1e-30)).item()
 
 
-def assert_close(out: torch.Tensor, ref64: torch.Tensor, base: torch.Tensor, what: str) -> None:
-    """out must be finite everywhere and within 4x plain torch's error (base, same dtype) of the fp64 reference."""
+def assert_close(out: torch.Tensor, ref64: torch.Tensor, base: torch.Tensor, what: str, slack: float = 0.0) -> None:
+    """out must be finite everywhere and within 4x plain torch's error (base, same dtype) of the fp64 reference.
+    slack: extra relative error allowed (a chain of fp32 stages can land a few ulps beyond 4x torch's fused order)."""
     assert out.shape == ref64.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref64.shape)}"
     assert torch.isfinite(out).all(), f"{what}: {(~torch.isfinite(out)).sum().item()} elements unwritten or non-finite"
     err, err_torch = rel_err(out, ref64), rel_err(base, ref64)
     tiny = torch.finfo(out.dtype).eps
-    assert err <= 4 * err_torch + tiny, f"{what}: kernel err {err:.3g} > 4 x torch err {err_torch:.3g} + {tiny:.2g}"
+    assert err <= 4 * err_torch + tiny + slack, f"{what}: kernel err {err:.3g} > 4 x torch err {err_torch:.3g} + {tiny:.2g}"
 
 
 def rope_tables(S_max: int, D: int, theta: float = 10000.0):
