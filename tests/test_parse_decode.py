@@ -125,7 +125,7 @@ def test_engine_parse_fast_path_gives_the_eager_tokens(tmp_path):
 
 @pytest.mark.parametrize("B", [1, 3])
 def test_aligned_slots_match_masked_eager_pool(B):
-    """align=8 (the GPU setting): slot widths rounded up with zero components, same logits."""
+    """align=8: slot widths rounded up with zero components (B > 1: to at least 16, LIVE_ALIGN), same logits."""
     pool, routers = _pool()
     subsets = [_subset(routers, s + 7) for s in range(B)]
     prompt = torch.randint(0, CFG.vocab_size, (B, 5))
