@@ -73,7 +73,7 @@ def overlapping_subsets(routers: Routers, B: int, union: float, seed: int) -> li
     return out
 
 
-def live_bytes(pool, slots: ParseSlots, sizes: dict[str, int]) -> int:
+def live_bytes(slots: ParseSlots, sizes: dict[str, int]) -> int:
     """Weight bytes one step reads through the slots: the unrouted weights + the live prefix of each routed one."""
     total = weight_bytes_read(slots.model)
     lins = slots.model.projections()
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         slots = ParseSlots(pool, routers, DecodeConfig(batch_size=B, max_seq_len=S, graph=graph), align=align)
         sizes = slots.load(subsets)
         entry["union_over_k"] = statistics.mean(sizes[n_] / K[n_] for n_ in K)
-        entry["rows"].append(row("parse-slots", time_fast(slots.decoder, P, n, reps), live_bytes(pool, slots, sizes),
+        entry["rows"].append(row("parse-slots", time_fast(slots.decoder, P, n, reps), live_bytes(slots, sizes),
                                  bw, B))
         entry["overlap"] = []
         for u in (args.unions if B > 1 else []):
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                 kvu = KVCache(cfg.num_hidden_layers, B, xu.shape[1], cfg.num_key_value_heads, cfg.head_dim,
                               device=dev, dtype=dt)
                 pre = _median_ms(lambda: (kvu.reset(), slots.model(xu, kvu, last_only=True)))
-            r = row(f"parse-slots-u{u:g}", time_fast(slots.decoder, P, n, reps), live_bytes(pool, slots, sz), bw, B)
+            r = row(f"parse-slots-u{u:g}", time_fast(slots.decoder, P, n, reps), live_bytes(slots, sz), bw, B)
             entry["rows"].append(r)
             entry["overlap"].append(dict(target=u, union_over_k=statistics.mean(sz[n_] / K[n_] for n_ in K),
                                          row=r["row"], prefill_parse_ms=pre, check=check(pool, slots, sub_u, steps=4)))

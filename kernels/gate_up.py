@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rankserve.kernels.lowrank_linear import _gemv_tile, gdc_launch_dependents, gemv, gemv_config, launch_opts, pad_rows
+from rankserve.kernels.lowrank_linear import (_gemv_tile, gdc_launch_dependents, gemv, gemv_config, launch_opts,
+                                              live_width, pad_rows)
 
 
 @triton.jit
@@ -23,8 +24,8 @@ def _gate_up_u_kernel(t_ptr, Ug_ptr, Uu_ptr, h_ptr, klive_ptr, B, N, rg, ru, str
     kg = rg
     ku = ru
     if LIVE:
-        kg = tl.multiple_of(tl.minimum(rg, tl.cdiv(tl.load(klive_ptr), 16) * 16), 16)  # 16-wide: vectorized loads
-        ku = tl.multiple_of(tl.minimum(ru, tl.cdiv(tl.load(klive_ptr + 1), 16) * 16), 16)
+        kg = live_width(rg, klive_ptr)
+        ku = live_width(ru, klive_ptr + 1)
     for nb in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):  # persistent when grid < blocks
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
@@ -50,8 +51,7 @@ def gate_up(x: torch.Tensor, Vgu: torch.Tensor, Ug: torch.Tensor, Uu: torch.Tens
     norm_eps: x is the raw residual stream, RMS-normalized inside the first GEMV (norm weight folded into Vgu).
     keep: optional (B, rg + ru) 0/1 mask of each row's rank components (PARSE). klive: optional int32 (2,)
     device tensor, components in use of gate and up (PARSE slots: only those are read, rounded up to 16; ranks
-    must be multiples of 16). pdl: programmatic dependent
-    launch (Hopper+). grid_cap: at most this many programs per launch (persistent programs; 0 = one per block).
+    must be multiples of 16). pdl: programmatic dependent launch (Hopper+). grid_cap: at most this many programs per launch (persistent programs; 0 = one per block).
     stages: pipeline depth of the weight stream (0 = gemv_config's; see lowrank_linear._gemv_tile).
     Returns h (B, inter). Two launches, no host sync.
     """

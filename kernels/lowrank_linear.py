@@ -140,6 +140,13 @@ def _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, K_run, ep
 
 
 @triton.jit
+def live_width(K, klive_ptr):
+    """min(K, klive[0] rounded up to 16), hinted as a multiple of 16 so masks stay 16-wide and loads vectorized
+    (K % 16 == 0; the PARSE slots' padding between the union and the rounded width is masked out by `keep`)."""
+    return tl.multiple_of(tl.minimum(K, tl.cdiv(tl.load(klive_ptr), 16) * 16), 16)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, keep_ptr, klive_ptr, B, N, K, stride_x, stride_w, stride_y, stride_keep, eps,
                  B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  NORM: tl.constexpr, RESIDUAL: tl.constexpr, KEEP: tl.constexpr, LIVE: tl.constexpr,
@@ -151,8 +158,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, keep_ptr, klive_ptr, B, N, K, stride_x, st
     if PDL:
         gdc_launch_dependents()
     K_run = K
-    if LIVE:  # rounded up to 16 and hinted so: the masks stay 16-wide and the loads vectorized (K % 16 == 0)
-        K_run = tl.multiple_of(tl.minimum(K, tl.cdiv(tl.load(klive_ptr), 16) * 16), 16)
+    if LIVE:
+        K_run = live_width(K, klive_ptr)
     # one block of BLOCK_N rows per iteration; a grid smaller than the block count (grid_cap) makes the programs
     # persistent: all resident from the start, each striding over several blocks
     for nb in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
@@ -214,10 +221,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, n
     unit stride on N (PARSE: the components each row does not use; blocks no row keeps skip their weights).
     klive: optional int32 device tensor; only the first klive[0] columns of x and w are read, rounded up to 16
     (PARSE slots: the batch's union is stored first; read on the device, so a captured graph follows its
-    changes). Needs K % 16 == 0: the kernel promises the compiler 16-wide masks, which keeps loads vectorized. grid_cap: at most this many programs (0 = one
-    per block of rows), each then striding over several blocks (persistent programs). stages: pipeline depth of
-    the weight stream (0 = gemv_config's; see _gemv_tile's STAGES). pdl: launch with programmatic dependent launch (Hopper+,
-    CUDA only). Returns out. No host sync, no allocation when out is given (CUDA-graph capturable).
+    changes). Needs K % 16 == 0: the kernel promises the compiler 16-wide masks, which keeps loads vectorized.
+    grid_cap: at most this many programs (0 = one per block of rows), each then striding over several blocks
+    (persistent programs). stages: pipeline depth of the weight stream (0 = gemv_config's; see _gemv_tile's
+    STAGES). pdl: launch with programmatic dependent launch (Hopper+, CUDA only).
+    Returns out. No host sync, no allocation when out is given (CUDA-graph capturable).
     """
     B, K = x.shape
     N = w.shape[0]

@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rankserve.kernels.lowrank_linear import _gemv_tile, gdc_launch_dependents, gemv, gemv_config, launch_opts, pad_rows
+from rankserve.kernels.lowrank_linear import (_gemv_tile, gdc_launch_dependents, gemv, gemv_config, launch_opts,
+                                              live_width, pad_rows)
 
 
 @triton.jit
@@ -46,8 +47,7 @@ def _qkv_u_rope_kernel(t_ptr, Uq_ptr, Uk_ptr, Uv_ptr, cos_ptr, sin_ptr, cache_se
     t_off = tl.where(is_q, 0, tl.where(is_k, rq, rq + rk))  # column of this projection's slice of t
     r_run = r
     if LIVE:
-        live = tl.load(klive_ptr + tl.where(is_q, 0, tl.where(is_k, 1, 2)))
-        r_run = tl.multiple_of(tl.minimum(r, tl.cdiv(live, 16) * 16), 16)  # 16-wide masks: vectorized loads
+        r_run = live_width(r, klive_ptr + tl.where(is_q, 0, tl.where(is_k, 1, 2)))
 
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # (BLOCK_D,) in [0, HALF)
     mask_d = offs_d < HALF

@@ -41,6 +41,13 @@ def _model(kind: str) -> Transformer:
     return m.eval()
 
 
+def _assert_steps_close(got: list, ref: list, tol: float = 1e-4) -> None:
+    """Logits of every step (prefill first) within `tol` relative to the reference's largest entry."""
+    for s, (a, b) in enumerate(zip(got, ref, strict=True)):
+        err = float((a - b).abs().max() / b.abs().max())
+        assert err <= tol, f"step {s}: relative error {err}"
+
+
 def _eager_logits(model, prompt, steps_tokens):
     cfg = model.cfg
     cache = KVCache(cfg.num_hidden_layers, prompt.shape[0], 40, cfg.num_key_value_heads, cfg.head_dim)
@@ -68,9 +75,7 @@ def test_steps_match_eager(kind, backend, gemv, fuse):
         got = [dec.prefill(prompt)]
         for t in steps:
             got.append(dec.step(t).clone())
-    for s, (a, b) in enumerate(zip(got, ref)):
-        err = float((a - b).abs().max() / b.abs().max())
-        assert err <= 1e-4, f"step {s}: relative error {err}"
+    _assert_steps_close(got, ref)
     assert dec.cache.seqlens.tolist() == [P + n] * B
 
 
@@ -108,9 +113,7 @@ def test_fused_merge_and_persistent_programs_match_eager(kind):
         dec = FastDecoder(model, DecodeConfig(batch_size=B, max_seq_len=40, graph="none", fuse_norm=True,
                                               attn_merge="fused", persistent=2))
         got = [dec.prefill(prompt)] + [dec.step(t).clone() for t in steps]
-    for s, (a, b) in enumerate(zip(got, ref)):
-        err = float((a - b).abs().max() / b.abs().max())
-        assert err <= 1e-4, f"step {s}: relative error {err}"
+    _assert_steps_close(got, ref)
     assert int(dec.attn_counter.abs().sum()) == 0
 
 
@@ -124,8 +127,6 @@ def test_pipelined_gemvs_match_eager(B):
         ref = _eager_logits(model, prompt, steps)
         dec = FastDecoder(model, DecodeConfig(batch_size=B, max_seq_len=40, graph="none", gemv_stages=3))
         got = [dec.prefill(prompt)] + [dec.step(t).clone() for t in steps]
-    for s, (a, b) in enumerate(zip(got, ref)):
-        err = float((a - b).abs().max() / b.abs().max())
-        assert err <= 1e-4, f"step {s}: relative error {err}"
+    _assert_steps_close(got, ref)
     with pytest.raises(ValueError, match="gemv_stages"):
         DecodeConfig(gemv_stages=-1)

@@ -30,6 +30,13 @@ def _pool() -> tuple[Transformer, Routers]:
     return m.eval(), Routers(R={}, b={}, k=k, r_max=r_max, head={}, perm={})
 
 
+def _assert_steps_close(got: list, ref: list, tol: float = 1e-4) -> None:
+    """Logits of every step (prefill first) within `tol` relative to the reference's largest entry."""
+    for s, (a, b) in enumerate(zip(got, ref, strict=True)):
+        err = float((a - b).abs().max() / b.abs().max())
+        assert err <= tol, f"step {s}: relative error {err}"
+
+
 def _subset(routers: Routers, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {"v": 1, "k": {n: sorted(torch.randperm(routers.r_max[n], generator=g)[:k].tolist())
@@ -60,9 +67,7 @@ def test_slots_match_masked_eager_pool(B, backend):
     for n, size in sizes.items():
         assert size == len(set().union(*[s["k"][n] for s in subsets])) <= slots.widths[n]
     assert slots.masked == (B > 1)
-    for s, (a, b) in enumerate(zip(got, ref)):
-        err = float((a - b).abs().max() / b.abs().max())
-        assert err <= 1e-4, f"step {s}: relative error {err}"
+    _assert_steps_close(got, ref)
 
 
 def test_reload_changes_the_subset_without_rebuilding():
@@ -183,6 +188,4 @@ def test_live_width_reads_only_the_union(backend):
             L.refresh()
         got = [slots.decoder.prefill(prompt)] + [slots.decoder.step(t).clone() for t in steps]
     assert slots.live_dev is not None and torch.equal(slots.live_dev.cpu(), slots.live)
-    for s, (a, b) in enumerate(zip(got, ref)):
-        err = float((a - b).abs().max() / b.abs().max())
-        assert err <= 1e-4, f"step {s}: relative error {err}"
+    _assert_steps_close(got, ref)

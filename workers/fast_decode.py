@@ -183,6 +183,7 @@ class FastDecoder:
             self.num_splits = dcfg.num_splits or _attn.default_num_splits(dcfg.max_seq_len, B, cfg.num_key_value_heads)
             sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
             self.grid_cap = dcfg.persistent * sms
+            self.stages = dcfg.stages()  # GEMV pipeline depth, resolved once
         if packed is not None and any(l.folded != (self.fuse and l.factorized) for l in packed):
             raise ValueError("the packed layers were built for another fuse_norm setting")
         self.layers = packed or [_Layer(blk, cfg, fold=self.fuse) for blk in model.layers]  # may be shared
@@ -249,7 +250,7 @@ class FastDecoder:
     def _finish(self) -> None:
         if self.fuse and not self._pending:  # one GEMV: final norm (folded into head_n) + head, fp32 logits
             self._k["ll"].gemv(self.x, self.head_n, out=self.logits, norm_eps=self.cfg.rms_norm_eps, pdl=self.pdl,
-                               grid_cap=self.grid_cap, stages=self.dcfg.stages())
+                               grid_cap=self.grid_cap, stages=self.stages)
         else:
             self._norm(self.y if self._pending else self.x, self.model.norm.weight, self.h,
                        residual=self.x if self._pending else None)
@@ -281,7 +282,7 @@ class FastDecoder:
     def _layer_fused(self, i: int) -> None:
         """Ten kernels: norms inside the V GEMVs, residual adds in the o/down epilogues; x is the residual stream."""
         L, B, eps, pdl, cap = self.layers[i], self.dcfg.batch_size, self.cfg.rms_norm_eps, self.pdl, self.grid_cap
-        st = self.dcfg.stages()
+        st = self.stages
         kc, vc = self.cache.k[i], self.cache.v[i]  # (B, S_max, H_kv, D)
         k = self._k
         k["qkv"].qkv_rope(self.x, L.Vqkv, L.Uq, L.Uk, L.Uv, self.cos, self.sin, kc, vc, self.cache.seqlens,
@@ -309,7 +310,7 @@ class FastDecoder:
         if fused:
             self._k["qkv"].qkv_rope(self.h, L.Vqkv, L.Uq, L.Uk, L.Uv, self.cos, self.sin, kc, vc, seqlens,
                                     q_out=self.q, t=self.t[:, :sum(L.qkv_split)], keep=L.keep_qkv,
-                                    klive=L.klive(0, 3), stages=self.dcfg.stages())
+                                    klive=L.klive(0, 3), stages=self.stages)
         else:
             self._qkv_torch(L, kc, vc, seqlens)
         if self.use_triton:
@@ -322,7 +323,7 @@ class FastDecoder:
         self._norm(self.y, L.mlp_norm, self.h, residual=self.x)
         if fused:
             self._k["gu"].gate_up(self.h, L.Vgu, L.Ug, L.Uu, out=self.m, t=self.t[:, :sum(L.gu_split)],
-                                  keep=L.keep_gu, klive=L.klive(4, 6), stages=self.dcfg.stages())
+                                  keep=L.keep_gu, klive=L.klive(4, 6), stages=self.stages)
         else:
             if hasattr(L, "Vgu"):
                 tg, tu = _masked(self.h @ L.Vgu.t(), L.keep_gu).split(L.gu_split, dim=-1)
@@ -336,7 +337,7 @@ class FastDecoder:
                 klive: torch.Tensor | None = None) -> None:
         if fused:
             self._k["ll"].lowrank_linear(x, lin.V, lin.U, out=out, t=self.t[:, :lin.rank], keep=keep, klive=klive,
-                                         stages=self.dcfg.stages())
+                                         stages=self.stages)
         elif lin.factorized:
             torch.mm(_masked(x @ lin.V.t(), keep), lin.U.t(), out=out)  # cuBLAS, rank vector in the activation dtype
         else:
