@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from rankserve.workers.kv_cache import KVCache
-from rankserve.workers.model import ATTN_PROJS, Transformer
+from rankserve.workers.model import ATTN_PROJS, PROJS, Transformer
 
 
 @dataclass
@@ -86,9 +86,6 @@ def _masked(t: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     return t if keep is None else t * keep
 
 
-LIVE_ORDER = ("q", "k", "v", "o", "gate", "up", "down")  # the order of _Layer.live
-
-
 class _Layer:
     """One decoder layer's weights in decode layout.
 
@@ -99,7 +96,7 @@ class _Layer:
     def __init__(self, blk, cfg, fold: bool = False) -> None:
         a, m = blk.attn, blk.mlp
         self.attn_norm, self.mlp_norm = blk.attn_norm.weight, blk.mlp_norm.weight
-        projs = {p: getattr(a if p in ATTN_PROJS else m, p) for p in ("q", "k", "v", "o", "gate", "up", "down")}
+        projs = {p: getattr(a if p in ATTN_PROJS else m, p) for p in PROJS}
         self.factorized = all(l.factorized for l in projs.values())
         self.folded = fold and self.factorized
         self.proj = projs
@@ -132,7 +129,7 @@ class _Layer:
         self.live: torch.Tensor | None = None
 
     def klive(self, first: int, last: int) -> torch.Tensor | None:
-        """Live widths of projections [first, last) in LIVE_ORDER (a view; None without PARSE slots)."""
+        """Live widths of projections [first, last) in PROJS order (a view; None without PARSE slots)."""
         return None if self.live is None else self.live[first:last]
 
     @torch.no_grad()

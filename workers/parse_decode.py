@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from rankserve.workers.align import padded
-from rankserve.workers.fast_decode import LIVE_ORDER, DecodeConfig, FastDecoder, _Layer
+from rankserve.workers.fast_decode import DecodeConfig, FastDecoder, _Layer
 from rankserve.workers.model import ATTN_PROJS, PROJS, Transformer, proj_name
 from rankserve.workers.parse import Routers
 
@@ -82,7 +82,7 @@ class ParseSlots:
         self.layers = [_Layer(blk, pool.cfg, fold=dcfg.fused()) for blk in self.model.layers]
         self.masked = B > 1  # B = 1: the slot is exactly the subset, nothing to mask
         self.names = list(self.widths)  # routed projections, in a fixed order
-        self._where = {proj_name(i, p): (i, LIVE_ORDER.index(p)) for i in range(len(self.layers)) for p in PROJS}
+        self._where = {proj_name(i, p): (i, PROJS.index(p)) for i in range(len(self.layers)) for p in PROJS}
         # host-side index plan (numpy, built once): component i of matrix m has the global id gbase[m] + i
         M = len(self.names)
         r_max = np.array([routers.r_max[n] for n in self.names], dtype=np.int64)
@@ -98,7 +98,7 @@ class ParseSlots:
         # B > 1: one (B, cols) keep buffer on the device for every layer's packed groups (the kernels take a row
         # stride), so a load is one copy; unrouted members of a group keep every component (ones)
         self.keep: dict[str, torch.Tensor] = {}  # proj name -> (B, W) view
-        self.live = torch.full((len(self.layers), len(LIVE_ORDER)), 2 ** 30, dtype=torch.int32)  # LIVE_ORDER
+        self.live = torch.full((len(self.layers), len(PROJS)), 2 ** 30, dtype=torch.int32)  # PROJS order
         self.live_dev = self.live.to(dev) if self.masked else None
         if self.masked:
             groups = (("keep_qkv", ("q", "k", "v")), ("keep_gu", ("gate", "up")), ("keep_o", ("o",)),
@@ -200,8 +200,8 @@ class ParseSlots:
             if self.masked:
                 self._keep_host[:, self._slot_col] = torch.from_numpy(keep)
                 self.keep_all.copy_(self._keep_host)
-            for L in self.layers:
-                L.refresh()
+            for i in sorted({self._where[self.names[m]][0] for m in np.flatnonzero(changed)}):
+                self.layers[i].refresh()  # re-pack only the layers whose factors changed
         if self.masked:  # live widths: the union rounded up to LIVE_ALIGN, as the kernels read (padding masked out)
             for n, sz in sizes.items():
                 self.live[self._where[n]] = min(padded(sz, LIVE_ALIGN), self.widths[n])
