@@ -139,3 +139,29 @@ def test_klive_needs_ranks_in_multiples_of_16():
     x, V, U = randn(2, 32, dtype=DTYPES[0]), randn(40, 32, dtype=DTYPES[0]), randn(24, 40, dtype=DTYPES[0])
     with pytest.raises(AssertionError, match="multiple of 16"):
         lowrank_linear(x, V, U, klive=_live(20))
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_dead_row_block_reads_no_weights_and_writes_zeros(residual):
+    """A block of V rows (16 on the CPU tiles) that no row keeps is skipped before any weight load: its weights
+    (NaN here) never reach the result, and the V stage still writes exact zeros there for the U stage to read."""
+    seed = fresh_seed()
+    dtype = DTYPES[0]
+    B, d_in, r, d_out = 4, 64, 64, 48
+    x = randn(B, d_in, dtype=dtype)
+    V = randn(r, d_in, dtype=dtype, scale=d_in ** -0.5)
+    U = randn(d_out, r, dtype=dtype, scale=r ** -0.5)
+    keep = _keep(B, r, r)
+    keep[:, 16:32] = 0  # a whole tile of rows nobody keeps, inside the live width
+    Vp = V.clone()
+    Vp[16:32] = float("nan")
+    y0 = randn(B, d_out, dtype=dtype)
+    y, t = y0.clone(), nan_like((B, r), torch.float32)
+    lowrank_linear(x, Vp, U, out=y, t=t, keep=keep.to(dtype), klive=_live(r), residual=residual)
+    assert torch.equal(t[:, 16:32], torch.zeros(B, 16, device=DEVICE)), "the dead block's V outputs are not zeros"
+    x64, V64, U64 = to64(x, V, U)
+    ref64 = ((x64 @ V64.T) * keep.double()) @ U64.T
+    base = ((x @ V.T) * keep.to(dtype)) @ U.T
+    if residual:
+        ref64, base = ref64 + y0.double(), base + y0
+    assert_close(y, ref64, base, f"dead row block residual={residual} seed={seed}")

@@ -52,6 +52,9 @@ class DecodeConfig:
     # winner for the whole step: 2 at B = 1 (3.259 vs 3.458 ms/token on the H200, same run,
     # bench/results/decode-h200-stages.json), the kernels' default at B > 1
     gemv_stages: int | None = None
+    # Triton GEMVs at B = 1 on the GPU: before waiting on the previous kernel (PDL), each program asks L2 for its
+    # whole block of weight rows, not only the first tile (kernels/lowrank_linear.py _l2_prefetch)
+    l2_prefetch: bool = False
 
     def __post_init__(self) -> None:
         if self.attn_merge not in ("separate", "fused"):
@@ -127,6 +130,9 @@ class _Layer:
         # PARSE slots at B > 1: int32 (7,) on the device, the components in use of q, k, v, o, gate, up, down (the
         # batch's union, stored first); the Triton kernels read only those. None = every component
         self.live: torch.Tensor | None = None
+        # PARSE slots: V-stage rows expected in use per group ("qkv", "o", "gu", "down"), for the GEMV tile choice
+        # (the static ranks, not the slot width); empty = all rows
+        self.rows: dict[str, int] = {}
 
     def klive(self, first: int, last: int) -> torch.Tensor | None:
         """Live widths of projections [first, last) in PROJS order (a view; None without PARSE slots)."""
@@ -181,6 +187,7 @@ class FastDecoder:
             sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
             self.grid_cap = dcfg.persistent * sms
             self.stages = dcfg.stages()  # GEMV pipeline depth, resolved once
+            self.prefetch = dcfg.l2_prefetch and B == 1 and dev.type == "cuda"
         if packed is not None and any(l.folded != (self.fuse and l.factorized) for l in packed):
             raise ValueError("the packed layers were built for another fuse_norm setting")
         self.layers = packed or [_Layer(blk, cfg, fold=self.fuse) for blk in model.layers]  # may be shared
@@ -279,22 +286,23 @@ class FastDecoder:
     def _layer_fused(self, i: int) -> None:
         """Ten kernels: norms inside the V GEMVs, residual adds in the o/down epilogues; x is the residual stream."""
         L, B, eps, pdl, cap = self.layers[i], self.dcfg.batch_size, self.cfg.rms_norm_eps, self.pdl, self.grid_cap
-        st = self.stages
+        opts = dict(pdl=pdl, grid_cap=cap, stages=self.stages, prefetch=self.prefetch)
+        rows = L.rows.get
         kc, vc = self.cache.k[i], self.cache.v[i]  # (B, S_max, H_kv, D)
         k = self._k
         k["qkv"].qkv_rope(self.x, L.Vqkv, L.Uq, L.Uk, L.Uv, self.cos, self.sin, kc, vc, self.cache.seqlens,
                           q_out=self.q, t=self.t[:, :sum(L.qkv_split)], norm_eps=eps, keep=L.keep_qkv,
-                          klive=L.klive(0, 3), pdl=pdl, grid_cap=cap, stages=st)
+                          klive=L.klive(0, 3), rows=rows("qkv", 0), **opts)
         k["attn"].decode_attention(self.q, kc, vc, self.cache.seqlens, num_splits=self.num_splits, out=self.a,
                                    mid_o=self.mid_o, mid_lse=self.mid_lse, pdl=pdl, counter=self.attn_counter)
         o = L.proj["o"]
         k["ll"].lowrank_linear(self.a.view(B, -1), o.V, o.U, out=self.x, t=self.t[:, :o.rank], residual=True,
-                               keep=L.keep_o, klive=L.klive(3, 4), pdl=pdl, grid_cap=cap, stages=st)
+                               keep=L.keep_o, klive=L.klive(3, 4), rows=rows("o", 0), **opts)
         k["gu"].gate_up(self.x, L.Vgu, L.Ug, L.Uu, out=self.m, t=self.t[:, :sum(L.gu_split)], norm_eps=eps,
-                        keep=L.keep_gu, klive=L.klive(4, 6), pdl=pdl, grid_cap=cap, stages=st)
+                        keep=L.keep_gu, klive=L.klive(4, 6), rows=rows("gu", 0), **opts)
         d = L.proj["down"]
         k["ll"].lowrank_linear(self.m, d.V, d.U, out=self.x, t=self.t[:, :d.rank], residual=True, keep=L.keep_down,
-                               klive=L.klive(6, 7), pdl=pdl, grid_cap=cap, stages=st)
+                               klive=L.klive(6, 7), rows=rows("down", 0), **opts)
 
     def _layer_unfused(self, i: int) -> None:
         L, B = self.layers[i], self.dcfg.batch_size
@@ -307,7 +315,8 @@ class FastDecoder:
         if fused:
             self._k["qkv"].qkv_rope(self.h, L.Vqkv, L.Uq, L.Uk, L.Uv, self.cos, self.sin, kc, vc, seqlens,
                                     q_out=self.q, t=self.t[:, :sum(L.qkv_split)], keep=L.keep_qkv,
-                                    klive=L.klive(0, 3), stages=self.stages)
+                                    klive=L.klive(0, 3), stages=self.stages, rows=L.rows.get("qkv", 0),
+                                    prefetch=self.prefetch)
         else:
             self._qkv_torch(L, kc, vc, seqlens)
         if self.use_triton:
@@ -315,12 +324,13 @@ class FastDecoder:
                                              mid_o=self.mid_o, mid_lse=self.mid_lse, counter=self.attn_counter)
         else:
             self._attention_torch(kc, vc, seqlens)
-        self._linear(L.proj["o"], self.a.view(B, -1), self.y, fused, L.keep_o, L.klive(3, 4))
+        self._linear(L.proj["o"], self.a.view(B, -1), self.y, fused, L.keep_o, L.klive(3, 4), L.rows.get("o", 0))
         # MLP
         self._norm(self.y, L.mlp_norm, self.h, residual=self.x)
         if fused:
             self._k["gu"].gate_up(self.h, L.Vgu, L.Ug, L.Uu, out=self.m, t=self.t[:, :sum(L.gu_split)],
-                                  keep=L.keep_gu, klive=L.klive(4, 6), stages=self.stages)
+                                  keep=L.keep_gu, klive=L.klive(4, 6), stages=self.stages,
+                                  rows=L.rows.get("gu", 0), prefetch=self.prefetch)
         else:
             if hasattr(L, "Vgu"):
                 tg, tu = _masked(self.h @ L.Vgu.t(), L.keep_gu).split(L.gu_split, dim=-1)
@@ -328,13 +338,13 @@ class FastDecoder:
             else:
                 g, u = (self.h @ L.Wgu.t()).chunk(2, dim=-1)
             torch.mul(F.silu(g), u, out=self.m)
-        self._linear(L.proj["down"], self.m, self.y, fused, L.keep_down, L.klive(6, 7))
+        self._linear(L.proj["down"], self.m, self.y, fused, L.keep_down, L.klive(6, 7), L.rows.get("down", 0))
 
     def _linear(self, lin, x: torch.Tensor, out: torch.Tensor, fused: bool, keep: torch.Tensor | None,
-                klive: torch.Tensor | None = None) -> None:
+                klive: torch.Tensor | None = None, rows: int = 0) -> None:
         if fused:
             self._k["ll"].lowrank_linear(x, lin.V, lin.U, out=out, t=self.t[:, :lin.rank], keep=keep, klive=klive,
-                                         stages=self.stages)
+                                         stages=self.stages, rows=rows, prefetch=self.prefetch)
         elif lin.factorized:
             torch.mm(_masked(x @ lin.V.t(), keep), lin.U.t(), out=out)  # cuBLAS, rank vector in the activation dtype
         else:

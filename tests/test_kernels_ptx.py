@@ -1,0 +1,71 @@
+"""What the decode GEMV compiles to on Hopper, checked offline: triton compiles `_gemv_kernel` for sm90 on this
+CPU-only machine (PTX, then ptxas to a cubin), and the PTX is searched for the instructions the design relies on.
+
+- L2 prefetch (`DecodeConfig.l2_prefetch`): the `prefetch.global.L2` lines are issued before `griddepcontrol.wait`,
+  i.e. while the previous kernel still runs under programmatic dependent launch; off, none are emitted.
+- 16-divisible row lengths and strides keep the weight loads vectorized (the reason ranks are padded to 16 on
+  the GPU, workers/align.py): every global load of the B = 1 kernel is a vector load.
+
+Run alone: .venv/bin/python -m pytest tests/test_kernels_ptx.py
+"""
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+POINTERS = {"x_ptr": "*fp32", "w_ptr": "*bf16", "y_ptr": "*bf16", "keep_ptr": "*bf16", "klive_ptr": "*i32"}
+INTS = ("B", "N", "K", "stride_x", "stride_w", "stride_y", "stride_keep")
+ALIGNED = ("x_ptr", "w_ptr", "y_ptr", "keep_ptr", "klive_ptr", "K", "stride_w")  # 16-divisible, as on the GPU
+
+
+def compile_ptx(prefetch: int, keep: bool, pdl: bool) -> str:
+    """PTX of `_gemv_kernel` at B = 1 for sm90 (needs real JIT functions: run without TRITON_INTERPRET)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from rankserve.kernels.lowrank_linear import _gemv_kernel
+    names = list(inspect.signature(_gemv_kernel.fn).parameters)
+    consts = dict(B_PAD=1, BLOCK_N=4, BLOCK_K=1024, NORM=False, RESIDUAL=False, KEEP=keep, LIVE=False, PDL=pdl,
+                  STAGES=2, PREFETCH=prefetch)
+    sig = {n: POINTERS.get(n, "i32" if n in INTS else "fp32") for n in names if n not in consts}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED}
+    k = triton.compile(ASTSource(_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "num_stages": 2})
+    return k.asm["ptx"]
+
+
+def _ptx(prefetch: int, keep: bool = False, pdl: bool = True) -> str:
+    """compile_ptx in a fresh interpreter: the test session runs the kernels under TRITON_INTERPRET=1."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_kernels_ptx as t; "
+            f"print(json.dumps(t.compile_ptx({prefetch}, {keep}, {pdl})))")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"offline sm90 compile failed:\n{run.stderr[-3000:]}"
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_l2_prefetch_is_issued_before_the_dependency_wait(keep):
+    lines = _ptx(prefetch=64, keep=keep).splitlines()
+    pre = [i for i, l in enumerate(lines) if "prefetch.global.L2" in l]
+    wait = [i for i, l in enumerate(lines) if "griddepcontrol.wait" in l]
+    # 4 rows x 64 lines over 128 threads: two prefetches a thread
+    assert len(pre) == 2 and wait, f"expected 2 prefetches and a wait, got {len(pre)} / {len(wait)}"
+    assert max(pre) < min(wait[-1:]), "the L2 prefetch must come before griddepcontrol.wait"
+
+
+def test_no_prefetch_when_off():
+    assert "prefetch.global" not in _ptx(prefetch=0)
+
+
+def test_weight_loads_are_vectorized_with_16_divisible_rows():
+    ptx = _ptx(prefetch=0, pdl=False)
+    loads = [l for l in ptx.splitlines() if "ld.global" in l]
+    scalar = [l for l in loads if ".v2" not in l and ".v4" not in l]
+    assert loads and not scalar, f"{len(scalar)} of {len(loads)} global loads are scalar"
