@@ -43,7 +43,8 @@ def _gate_up_u_kernel(t_ptr, Ug_ptr, Uu_ptr, h_ptr, klive_ptr, B, N, rg, ru, str
 def gate_up(x: torch.Tensor, Vgu: torch.Tensor, Ug: torch.Tensor, Uu: torch.Tensor, *,
             out: torch.Tensor | None = None, t: torch.Tensor | None = None, norm_eps: float | None = None,
             keep: torch.Tensor | None = None, klive: torch.Tensor | None = None, pdl: bool = False,
-            grid_cap: int = 0, stages: int = 0, rows: int = 0, prefetch: bool = False) -> torch.Tensor:
+            grid_cap: int = 0, stages: int = 0, prefetch: bool = False,
+            split: int = 1) -> torch.Tensor:
     """h = silu(Ug (Vg x)) * (Uu (Vu x)) for each row of x.
 
     x: (B, hidden) already RMS-normed, bf16 (GPU) or fp32, B <= 8. Vgu: (rg + ru, hidden), gate then up input
@@ -54,8 +55,8 @@ def gate_up(x: torch.Tensor, Vgu: torch.Tensor, Ug: torch.Tensor, Uu: torch.Tens
     device tensor, components in use of gate and up (PARSE slots: only those are read, rounded up to 16; ranks
     must be multiples of 16). pdl: programmatic dependent launch (Hopper+). grid_cap: at most this many programs per launch (persistent programs; 0 = one per block).
     stages: pipeline depth of the weight stream (0 = gemv_config's; see lowrank_linear._gemv_tile).
-    rows: the first GEMV's expected rows in use, for its tile choice (PARSE slots; see gemv). prefetch: L2
-    prefetch of each program's rows before the wait (B = 1, GPU; see gemv).
+    prefetch: L2 prefetch of each program's rows before the wait (B = 1, GPU; see gemv). split: split-K of the
+    first GEMV (see gemv; a given t must then hold fp32 zeros).
     Returns h (B, inter). Two launches, no host sync.
     """
     B = x.shape[0]
@@ -66,11 +67,11 @@ def gate_up(x: torch.Tensor, Vgu: torch.Tensor, Ug: torch.Tensor, Uu: torch.Tens
     assert klive is None or (klive.dtype == torch.int32 and klive.numel() >= 2 and rg % 16 == ru % 16 == 0), \
         "klive wants int32 (2,) and ranks that are multiples of 16"
     if t is None:
-        t = torch.empty(B, rg + ru, device=x.device, dtype=torch.float32)
+        t = (torch.zeros if split > 1 else torch.empty)(B, rg + ru, device=x.device, dtype=torch.float32)
     if out is None:
         out = torch.empty(B, N, device=x.device, dtype=x.dtype)
-    gemv(x, Vgu, out=t, norm_eps=norm_eps, keep=keep, pdl=pdl, grid_cap=grid_cap, stages=stages, rows=rows,
-         prefetch=prefetch)  # (B, rg + ru) fp32
+    gemv(x, Vgu, out=t, norm_eps=norm_eps, keep=keep, pdl=pdl, grid_cap=grid_cap, stages=stages,
+         prefetch=prefetch, split=split)  # (B, rg + ru) fp32
     BLOCK_N, BLOCK_K, num_warps, num_stages = gemv_config(B, N, x.is_cuda)
     num_stages = stages or num_stages
     blocks = triton.cdiv(N, BLOCK_N)

@@ -171,8 +171,10 @@ def live_width(K, klive_ptr):
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, keep_ptr, klive_ptr, B, N, K, stride_x, stride_w, stride_y, stride_keep, eps,
                  B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  NORM: tl.constexpr, RESIDUAL: tl.constexpr, KEEP: tl.constexpr, LIVE: tl.constexpr,
-                 PDL: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr):
-    # grid (cdiv(N, BLOCK_N),): y[b, n] (+)= sum_k x[b, k] w[n, k] (RESIDUAL: added to y in place), y's dtype;
+                 PDL: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr):
+    # grid (cdiv(N, BLOCK_N), SPLIT): y[b, n] (+)= sum_k x[b, k] w[n, k] (RESIDUAL: added to y in place), y's dtype;
+    # SPLIT > 1: program (nb, s) sums one chunk of k (a multiple of BLOCK_K) and adds it into y with an atomic
+    # (y fp32 and zeroed by the caller; no NORM, RESIDUAL or LIVE), so a few-row matrix still fills every SM;
     # KEEP: y[b, n] *= keep[b, n] (PARSE: the rank components row b does not use are zeroed); a block of rows that
     # no row keeps reads no weights and is written as zeros. keep (like klive) is written at admission, before
     # the graph replays, so it is read before waiting on the previous kernel.
@@ -182,6 +184,14 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, keep_ptr, klive_ptr, B, N, K, stride_x, st
     K_run = K
     if LIVE:
         K_run = live_width(K, klive_ptr)
+    K_len = K
+    if SPLIT > 1:  # this program's chunk of k: [k_lo, k_lo + K_len)
+        KC = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
+        k_lo = tl.program_id(1) * KC
+        x_ptr += k_lo
+        w_ptr += k_lo
+        K_len = tl.multiple_of(tl.maximum(tl.minimum(KC, K - k_lo), 0), 16)
+        K_run = K_len
     # one block of BLOCK_N rows per iteration; a grid smaller than the block count (grid_cap) makes the programs
     # persistent: all resident from the start, each striding over several blocks
     for nb in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
@@ -193,19 +203,22 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, keep_ptr, klive_ptr, B, N, K, stride_x, st
         if KEEP:
             kp = tl.load(keep_ptr + offs_b[:, None] * stride_keep + offs_n[None, :], mask=mask,
                          other=0.0).to(tl.float32)  # (B_PAD, BLOCK_N)
-            if tl.max(tl.max(kp, axis=1), axis=0) > 0:
-                acc = _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, K_run, eps, B_PAD,
-                                 BLOCK_N, BLOCK_K, NORM, PDL, STAGES, PREFETCH) * kp
-            else:  # nobody keeps these rows: no weight traffic, zeros (y may still be read by the previous kernel)
-                if PDL:
-                    gdc_wait()
-                acc = tl.zeros((B_PAD, BLOCK_N), dtype=tl.float32)
+            # nobody keeps these rows: every weight load masked off (no traffic) and an empty K loop -> zeros;
+            # no branch around the tile, so the K loop's software pipelining is the same as without KEEP
+            alive = tl.max(tl.max(kp, axis=1), axis=0) > 0
+            k_blk = tl.multiple_of(tl.where(alive, K_run, 0), 16)
+            mask_live = mask_n & (offs_n < tl.where(alive, N, 0))  # (a tensor & scalar-bool trips the interpreter)
+            acc = _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_live, B, K_len, k_blk, eps, B_PAD,
+                             BLOCK_N, BLOCK_K, NORM, PDL, STAGES, PREFETCH) * kp
         else:
-            acc = _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, K_run, eps, B_PAD, BLOCK_N,
+            acc = _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K_len, K_run, eps, B_PAD, BLOCK_N,
                              BLOCK_K, NORM, PDL, STAGES, PREFETCH)
         if RESIDUAL:  # each element is owned by one program: the in-place add is race free
             acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        if SPLIT > 1:
+            tl.atomic_add(y_ptrs, acc, mask=mask, sem="relaxed")
+        else:
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def pad_rows(B: int) -> int:
@@ -243,10 +256,21 @@ def prefetch_lines(B: int, K: int, BLOCK_K: int, w: torch.Tensor, on: bool) -> i
     return triton.next_power_of_2(triton.cdiv((K - BLOCK_K) * w.element_size(), 128))
 
 
+def split_k(B: int, N: int, K: int, on_gpu: bool, sms: int, waves: int) -> int:
+    """How many programs share each block of rows of an N x K GEMV at B rows (SPLIT of _gemv_kernel): enough
+    for `waves` programs per SM when the row blocks alone are fewer, at least two BLOCK_K tiles each; 1 at B = 1
+    (its narrow tiles already give hundreds of programs) or when waves is 0."""
+    if B == 1 or waves <= 0 or K % 16:
+        return 1
+    BLOCK_N, BLOCK_K, _, _ = gemv_config(B, N, on_gpu, K)
+    blocks = triton.cdiv(N, BLOCK_N)
+    return max(1, min(triton.cdiv(waves * sms, blocks), K // (2 * BLOCK_K)))
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, norm_eps: float | None = None,
          residual: bool = False, keep: torch.Tensor | None = None, klive: torch.Tensor | None = None,
-         pdl: bool = False, grid_cap: int = 0, stages: int = 0, rows: int = 0,
-         prefetch: bool = False) -> torch.Tensor:
+         pdl: bool = False, grid_cap: int = 0, stages: int = 0, prefetch: bool = False,
+         split: int = 1) -> torch.Tensor:
     """y = x @ wᵀ for a few rows of x, fp32 accumulation.
 
     x: (B, K) bf16/fp16/fp32, unit stride along K. w: (N, K) row-major, unit stride along K.
@@ -260,9 +284,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, n
     grid_cap: at most this many programs (0 = one per block of rows), each then striding over several blocks
     (persistent programs). stages: pipeline depth of the weight stream (0 = gemv_config's; see _gemv_tile's
     STAGES). pdl: launch with programmatic dependent launch (Hopper+, CUDA only).
-    rows: how many of w's N rows are expected in use, for the tile choice only (PARSE slots: the union, ~K of
-    the slot's W rows; 0 = N). prefetch: at B = 1 on the GPU, ask L2 for each program's whole row block
-    before waiting on the previous kernel (_gemv_tile's PREFETCH).
+    prefetch: at B = 1 on the GPU, ask L2 for each program's whole row block before waiting on the previous
+    kernel (_gemv_tile's PREFETCH; measured slower, decode.md).
+    split: > 1 splits the reduction over that many programs per block of rows (see split_k), which add their
+    partial sums into out with atomics: out must be an fp32 buffer of zeros; not with norm_eps, residual, klive.
     Returns out. No host sync, no allocation when out is given (CUDA-graph capturable).
     """
     B, K = x.shape
@@ -270,22 +295,26 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, n
     assert w.shape[1] == K and x.stride(1) == 1 and w.stride(1) == 1, "gemv wants x (B, K), w (N, K), unit stride on K"
     assert out is not None or not residual, "residual=True adds into out: pass it"
     if out is None:
-        out = torch.empty(B, N, device=x.device, dtype=x.dtype)
-    BLOCK_N, BLOCK_K, num_warps, num_stages = gemv_config(B, rows or N, x.is_cuda, K)
+        out = torch.zeros(B, N, device=x.device, dtype=torch.float32) if split > 1 else \
+            torch.empty(B, N, device=x.device, dtype=x.dtype)
+    BLOCK_N, BLOCK_K, num_warps, num_stages = gemv_config(B, N, x.is_cuda, K)
     num_stages = stages or num_stages
     if keep is not None:
         assert keep.shape == (B, N) and keep.stride(1) == 1, "keep wants (B, N), unit stride on N"
     if klive is not None:
         assert klive.dtype == torch.int32 and klive.numel() >= 1 and K % 16 == 0, \
             "klive wants an int32 device tensor and K a multiple of 16"
+    if split > 1:
+        assert out.dtype == torch.float32 and norm_eps is None and not residual and klive is None and K % 16 == 0, \
+            "split-K wants a zeroed fp32 out, no norm, residual or klive, and K a multiple of 16"
     kp = keep if keep is not None else out  # dummy pointer when unused
     blocks = triton.cdiv(N, BLOCK_N)
-    _gemv_kernel[(min(blocks, grid_cap) if grid_cap > 0 else blocks,)](
+    _gemv_kernel[(min(blocks, grid_cap) if grid_cap > 0 else blocks, max(split, 1))](
         x, w, out, kp, klive if klive is not None else kp, B, N, K, x.stride(0), w.stride(0), out.stride(0),
         kp.stride(0), float(norm_eps or 0.0),
         B_PAD=pad_rows(B), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NORM=norm_eps is not None, RESIDUAL=residual,
         KEEP=keep is not None, LIVE=klive is not None, PDL=pdl, STAGES=num_stages if B == 1 else 1,
-        PREFETCH=prefetch_lines(B, K, BLOCK_K, w, prefetch),
+        PREFETCH=prefetch_lines(B, K, BLOCK_K, w, prefetch), SPLIT=max(split, 1),
         num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl))
     return out
 
@@ -303,7 +332,7 @@ def pdl_supported(device: torch.device) -> bool:
 def lowrank_linear(x: torch.Tensor, V: torch.Tensor, U: torch.Tensor, *,
                    out: torch.Tensor | None = None, t: torch.Tensor | None = None, residual: bool = False,
                    keep: torch.Tensor | None = None, klive: torch.Tensor | None = None, pdl: bool = False,
-                   grid_cap: int = 0, stages: int = 0, rows: int = 0, prefetch: bool = False) -> torch.Tensor:
+                   grid_cap: int = 0, stages: int = 0, prefetch: bool = False, split: int = 1) -> torch.Tensor:
     """y = U (V x) for each row of x: the canonical factorization W (out, in) ~ U (out, r) @ V (r, in).
 
     x: (B, in), B <= 8 (decode rows), bf16 (GPU) or fp32; V: (r, in) and U: (out, r) row-major, x.dtype.
@@ -311,14 +340,14 @@ def lowrank_linear(x: torch.Tensor, V: torch.Tensor, U: torch.Tensor, *,
     out: optional (B, out) buffer, x.dtype; residual: out += U (V x) in place (the decoder's residual stream).
     keep: optional (B, r) 0/1 mask of each row's rank components (PARSE), applied to V x. klive: optional int32
     (1,) device tensor: only the first klive[0] components are in use (see gemv). grid_cap, stages, prefetch:
-    see gemv; rows: the V stage's expected rows in use (see gemv).
+    see gemv. split: split-K of the V stage (see gemv; a given t must then hold fp32 zeros).
     Two launches, no host sync; no allocation when out and t are given.
     """
     B = x.shape[0]
     if t is None:
-        t = torch.empty(B, V.shape[0], device=x.device, dtype=torch.float32)
-    gemv(x, V, out=t, keep=keep, pdl=pdl, grid_cap=grid_cap, stages=stages, rows=rows,
-         prefetch=prefetch)  # (B, r) fp32
+        t = (torch.zeros if split > 1 else torch.empty)(B, V.shape[0], device=x.device, dtype=torch.float32)
+    gemv(x, V, out=t, keep=keep, pdl=pdl, grid_cap=grid_cap, stages=stages, prefetch=prefetch,
+         split=split)  # (B, r) fp32
     if out is None:
         out = torch.empty(B, U.shape[0], device=x.device, dtype=x.dtype)
     return gemv(t, U, out=out, residual=residual, klive=klive, pdl=pdl, grid_cap=grid_cap, stages=stages,

@@ -88,8 +88,8 @@ def qkv_rope(x: torch.Tensor, Vqkv: torch.Tensor, Uq: torch.Tensor, Uk: torch.Te
              cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              cache_seqlens: torch.Tensor, *, q_out: torch.Tensor | None = None,
              t: torch.Tensor | None = None, norm_eps: float | None = None, keep: torch.Tensor | None = None,
-             klive: torch.Tensor | None = None, pdl: bool = False, grid_cap: int = 0, stages: int = 0, rows: int = 0,
-             prefetch: bool = False) -> torch.Tensor:
+             klive: torch.Tensor | None = None, pdl: bool = False, grid_cap: int = 0, stages: int = 0,
+             prefetch: bool = False, split: int = 1) -> torch.Tensor:
     """q of the current token, with k and v appended to the cache; all projections low-rank.
 
     x: (B, hidden) already RMS-normed, bf16 (GPU) or fp32. Vqkv: (rq + rk + rv, hidden), the q, k, v input
@@ -102,8 +102,8 @@ def qkv_rope(x: torch.Tensor, Vqkv: torch.Tensor, Uq: torch.Tensor, Uk: torch.Te
     Vqkv's columns by the caller). keep: optional (B, rq + rk + rv) 0/1 mask of each row's rank components
     (PARSE). klive: optional int32 (3,) device tensor, components in use of q, k, v (PARSE slots: each
     projection reads only its first klive[i] components, rounded up to 16; ranks must be multiples of 16). pdl: programmatic dependent launch (Hopper+). grid_cap: program cap of the first GEMV; stages: pipeline depth
-    (see gemv). rows: the first GEMV's expected rows in use, for its tile choice (PARSE slots; see gemv).
-    prefetch: L2 prefetch of each program's rows before the wait (B = 1, GPU; see gemv).
+    (see gemv). prefetch: L2 prefetch of each program's rows before the wait (B = 1, GPU; see gemv).
+    split: split-K of the first GEMV (see gemv; a given t must then hold fp32 zeros).
     Returns q (B, H, D), RoPE applied. Two launches, no host sync.
     """
     B = x.shape[0]
@@ -116,11 +116,11 @@ def qkv_rope(x: torch.Tensor, Vqkv: torch.Tensor, Uq: torch.Tensor, Uk: torch.Te
     assert klive is None or (klive.dtype == torch.int32 and klive.numel() >= 3 and rq % 16 == rk % 16 == rv % 16 == 0), \
         "klive wants int32 (3,) and ranks that are multiples of 16"
     if t is None:
-        t = torch.empty(B, rq + rk + rv, device=x.device, dtype=torch.float32)
+        t = (torch.zeros if split > 1 else torch.empty)(B, rq + rk + rv, device=x.device, dtype=torch.float32)
     if q_out is None:
         q_out = torch.empty(B, H, D, device=x.device, dtype=x.dtype)
-    gemv(x, Vqkv, out=t, norm_eps=norm_eps, keep=keep, pdl=pdl, grid_cap=grid_cap, stages=stages, rows=rows,
-         prefetch=prefetch)  # (B, rq + rk + rv) fp32
+    gemv(x, Vqkv, out=t, norm_eps=norm_eps, keep=keep, pdl=pdl, grid_cap=grid_cap, stages=stages,
+         prefetch=prefetch, split=split)  # (B, rq + rk + rv) fp32
     HALF = D // 2
     BLOCK_N, BLOCK_K, num_warps, num_stages = gemv_config(B, (H + 2 * HKV) * D, x.is_cuda)
     num_stages = stages or num_stages

@@ -130,3 +130,23 @@ def test_pipelined_gemvs_match_eager(B):
     _assert_steps_close(got, ref)
     with pytest.raises(ValueError, match="gemv_stages"):
         DecodeConfig(gemv_stages=-1)
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_split_k_v_stages_match_eager(fuse):
+    """split_k=2 at B > 1: the V stages add chunk partial sums into their own zeroed scratch (self.tz, cleared at
+    the start of every step), so several steps in a row still give the eager logits; fused-norm stages stay whole."""
+    model = _model("uneven")
+    B, P = 3, 5
+    prompt = torch.randint(0, CFG.vocab_size, (B, P))
+    steps = [torch.randint(0, CFG.vocab_size, (B,)) for _ in range(4)]
+    with torch.no_grad():
+        ref = _eager_logits(model, prompt, steps)
+        dec = FastDecoder(model, DecodeConfig(batch_size=B, max_seq_len=40, graph="none", split_k=2, fuse_norm=fuse))
+        planned = {g for s in dec.splits for g in s}
+        assert planned == ({"o", "down"} if fuse else {"qkv", "o", "gu", "down"}) and dec.tz is not None
+        got = [dec.prefill(prompt)] + [dec.step(t).clone() for t in steps]
+    _assert_steps_close(got, ref)
+    assert FastDecoder(model, DecodeConfig(batch_size=1, max_seq_len=40, graph="none", split_k=2)).tz is None  # B = 1: never
+    with pytest.raises(ValueError, match="split_k"):
+        DecodeConfig(split_k=0)

@@ -70,11 +70,17 @@ def test_lowrank_linear_klive_full_width_is_plain(B):
     assert_close(y, lowrank_linear_ref(*to64(x, V, U)), lowrank_linear_ref(x, V, U), f"klive wide seed={seed}")
 
 
+def _t(B: int, r: int, split: int) -> torch.Tensor:
+    """The V stage's fp32 scratch: NaN (every element must be written) or, for split-K, the zeros it adds into."""
+    return nan_like((B, r), torch.float32) if split == 1 else torch.zeros(B, r, device=DEVICE)
+
+
+@pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B", [2, 5])
-def test_qkv_rope_keep_live(B, dtype):
+def test_qkv_rope_keep_live(B, dtype, split):
     seed = fresh_seed()
-    hidden, H, H_kv, D, S_max = 64, 4, 2, 16, 12
+    hidden, H, H_kv, D, S_max = 128, 4, 2, 16, 12
     (rq, lq), (rk, lk), (rv, lv) = (48, 30), (32, 32), (64, 9)
     x = randn(B, hidden, dtype=dtype)
     Vs = [randn(r, hidden, dtype=dtype, scale=hidden ** -0.5) for r in (rq, rk, rv)]
@@ -87,11 +93,11 @@ def test_qkv_rope_keep_live(B, dtype):
     k0, v0 = k_cache.clone(), v_cache.clone()
     q = nan_like((B, H, D), dtype)
     qkv_rope(x, torch.cat([p[0] for p in poisoned]), *(p[1] for p in poisoned), cos, sin, k_cache, v_cache,
-             cache_seqlens, q_out=q, t=nan_like((B, rq + rk + rv), torch.float32),
-             keep=torch.cat(keeps, dim=1).to(dtype), klive=_live(lq, lk, lv))
+             cache_seqlens, q_out=q, t=_t(B, rq + rk + rv, split),
+             keep=torch.cat(keeps, dim=1).to(dtype), klive=_live(lq, lk, lv), split=split)
     # reference: fold each row's mask into x's projection by running the reference once per row on masked factors
     rows, pos = torch.arange(B, device=DEVICE), cache_seqlens.long()
-    what = f"qkv_rope keep+klive B={B} {dtype} seed={seed}"
+    what = f"qkv_rope keep+klive B={B} {dtype} split={split} seed={seed}"
     refs = {name: ([], []) for name in ("q", "k", "v")}  # per row (fp64 reference, torch in dtype), then stacked
     for b in range(B):
         Vb = [V * kp[b, :, None].to(dtype) for V, kp in zip(Vs, keeps)]  # the row's components only
@@ -109,9 +115,10 @@ def test_qkv_rope_keep_live(B, dtype):
     assert torch.isfinite(k_cache[rows, pos]).all() and torch.isfinite(v_cache[rows, pos]).all()
 
 
+@pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B", [2, 8])
-def test_gate_up_keep_live(B, dtype):
+def test_gate_up_keep_live(B, dtype, split):
     seed = fresh_seed()
     hidden, inter, (rg, lg), (ru, lu) = 128, 160, (48, 23), (64, 64)
     x = randn(B, hidden, dtype=dtype)
@@ -120,8 +127,8 @@ def test_gate_up_keep_live(B, dtype):
     kg, ku = _keep(B, rg, lg), _keep(B, ru, lu)
     (Vgp, Ugp), (Vup, Uup) = _poison(Vg, Ug, lg), _poison(Vu, Uu, lu)
     h = nan_like((B, inter), dtype)
-    gate_up(x, torch.cat([Vgp, Vup]), Ugp, Uup, out=h, t=nan_like((B, rg + ru), torch.float32),
-            keep=torch.cat([kg, ku], dim=1).to(dtype), klive=_live(lg, lu))
+    gate_up(x, torch.cat([Vgp, Vup]), Ugp, Uup, out=h, t=_t(B, rg + ru, split),
+            keep=torch.cat([kg, ku], dim=1).to(dtype), klive=_live(lg, lu), split=split)
     keep = torch.cat([kg, ku], dim=1)
 
     def ref(x, Vgu, Ug, Uu, keep):  # each row's own components: the masked rank vector, as the kernel computes it
@@ -132,7 +139,7 @@ def test_gate_up_keep_live(B, dtype):
     # three chained stages (masked t, two U products, SiLU): measured up to 6.9e-7 in fp32 where torch's own error
     # was 1e-7 (1 seed in ~60 over the 4x rule), hence 8 fp32 ulps of slack
     assert_close(h, ref(*to64(x, Vgu, Ug, Uu, keep)), ref(x, Vgu, Ug, Uu, keep.to(dtype)),
-                 f"gate_up keep+klive B={B} {dtype} seed={seed}", slack=8 * torch.finfo(torch.float32).eps)
+                 f"gate_up keep+klive B={B} {dtype} split={split} seed={seed}", slack=8 * torch.finfo(torch.float32).eps)
 
 
 def test_klive_needs_ranks_in_multiples_of_16():
@@ -141,13 +148,14 @@ def test_klive_needs_ranks_in_multiples_of_16():
         lowrank_linear(x, V, U, klive=_live(20))
 
 
+@pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize("residual", [False, True])
-def test_dead_row_block_reads_no_weights_and_writes_zeros(residual):
+def test_dead_row_block_reads_no_weights_and_writes_zeros(residual, split):
     """A block of V rows (16 on the CPU tiles) that no row keeps is skipped before any weight load: its weights
     (NaN here) never reach the result, and the V stage still writes exact zeros there for the U stage to read."""
     seed = fresh_seed()
     dtype = DTYPES[0]
-    B, d_in, r, d_out = 4, 64, 64, 48
+    B, d_in, r, d_out = 4, 192, 64, 48
     x = randn(B, d_in, dtype=dtype)
     V = randn(r, d_in, dtype=dtype, scale=d_in ** -0.5)
     U = randn(d_out, r, dtype=dtype, scale=r ** -0.5)
@@ -156,12 +164,12 @@ def test_dead_row_block_reads_no_weights_and_writes_zeros(residual):
     Vp = V.clone()
     Vp[16:32] = float("nan")
     y0 = randn(B, d_out, dtype=dtype)
-    y, t = y0.clone(), nan_like((B, r), torch.float32)
-    lowrank_linear(x, Vp, U, out=y, t=t, keep=keep.to(dtype), klive=_live(r), residual=residual)
+    y, t = y0.clone(), _t(B, r, split)
+    lowrank_linear(x, Vp, U, out=y, t=t, keep=keep.to(dtype), klive=_live(r), residual=residual, split=split)
     assert torch.equal(t[:, 16:32], torch.zeros(B, 16, device=DEVICE)), "the dead block's V outputs are not zeros"
     x64, V64, U64 = to64(x, V, U)
     ref64 = ((x64 @ V64.T) * keep.double()) @ U64.T
     base = ((x @ V.T) * keep.to(dtype)) @ U.T
     if residual:
         ref64, base = ref64 + y0.double(), base + y0
-    assert_close(y, ref64, base, f"dead row block residual={residual} seed={seed}")
+    assert_close(y, ref64, base, f"dead row block residual={residual} split={split} seed={seed}")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from kernel_utils import DEVICE, DTYPES, assert_close, fresh_seed, nan_like, randn, to64
 
-from rankserve.kernels.lowrank_linear import gemv, lowrank_linear, lowrank_linear_ref
+from rankserve.kernels.lowrank_linear import gemv, lowrank_linear, lowrank_linear_ref, split_k
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -104,3 +104,39 @@ def test_lowrank_linear_pipelined(B, stages):
     y = lowrank_linear(x, V, U, stages=stages)
     assert_close(y, lowrank_linear_ref(*to64(x, V, U)), lowrank_linear_ref(x, V, U),
                  f"lowrank_linear stages={stages} B={B} seed={seed}")
+
+
+@pytest.mark.parametrize("split", [2, 3, 5])
+@pytest.mark.parametrize("B", [2, 8])
+def test_split_k_adds_every_chunk_once(B, split):
+    """split > 1: the reduction is cut into BLOCK_K-multiple chunks (here 64 on the CPU tiles; K = 208 leaves a
+    short last chunk and, at split 3 and 5, programs with nothing to do) whose partial sums are added into a
+    zeroed fp32 out; the result is the same product."""
+    seed = fresh_seed()
+    dtype = DTYPES[0]
+    x = randn(B, 208, dtype=dtype)
+    V, U = randn(40, 208, dtype=dtype, scale=208 ** -0.5), randn(72, 40, dtype=dtype, scale=40 ** -0.5)
+    t = torch.zeros(B, 40, device=DEVICE)
+    y = lowrank_linear(x, V, U, t=t, split=split)
+    what = f"split-K {split} B={B} seed={seed}"
+    assert_close(t, x.double() @ V.double().T, (x @ V.T).float(), what + " (t)")
+    assert_close(y, lowrank_linear_ref(*to64(x, V, U)), lowrank_linear_ref(x, V, U), what)
+    assert_close(gemv(x, V, split=split), x.double() @ V.double().T, (x @ V.T).float(), what + " (default out)")
+
+
+def test_split_k_refuses_what_it_cannot_add():
+    x, w = randn(2, 64, dtype=DTYPES[0]), randn(32, 64, dtype=DTYPES[0])
+    with pytest.raises(AssertionError, match="split-K"):
+        gemv(x, w, out=torch.zeros(2, 32, device=DEVICE, dtype=torch.float64), split=2)
+    with pytest.raises(AssertionError, match="split-K"):
+        gemv(x, w, out=torch.zeros(2, 32, device=DEVICE), split=2, norm_eps=1e-6)
+
+
+def test_split_k_choice():
+    """split_k fills `waves` programs per SM when the row blocks are few, keeps >= 2 tiles a program, and stays 1
+    at B = 1 or when off. GPU tiles: B = 8, (1232, 4096) -> 77 blocks of 16 rows, BLOCK_K 512."""
+    assert split_k(1, 1232, 4096, True, 132, 2) == 1
+    assert split_k(8, 1232, 4096, True, 132, 0) == 1
+    assert split_k(8, 1232, 4096, True, 132, 2) == 4  # ceil(264 / 77) = 4 <= 4096 // 1024
+    assert split_k(8, 1232, 4096, True, 132, 8) == 4  # capped: two 512-wide tiles per program
+    assert split_k(8, 11008, 1792, True, 132, 2) == 1  # 344 blocks already fill two waves

@@ -32,7 +32,7 @@ def compile_ptx(prefetch: int, keep: bool, pdl: bool) -> str:
     from rankserve.kernels.lowrank_linear import _gemv_kernel
     names = list(inspect.signature(_gemv_kernel.fn).parameters)
     consts = dict(B_PAD=1, BLOCK_N=4, BLOCK_K=1024, NORM=False, RESIDUAL=False, KEEP=keep, LIVE=False, PDL=pdl,
-                  STAGES=2, PREFETCH=prefetch)
+                  STAGES=2, PREFETCH=prefetch, SPLIT=1)
     sig = {n: POINTERS.get(n, "i32" if n in INTS else "fp32") for n in names if n not in consts}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED}
     k = triton.compile(ASTSource(_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),

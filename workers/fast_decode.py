@@ -55,12 +55,19 @@ class DecodeConfig:
     # Triton GEMVs at B = 1 on the GPU: before waiting on the previous kernel (PDL), each program asks L2 for its
     # whole block of weight rows, not only the first tile (kernels/lowrank_linear.py _l2_prefetch)
     l2_prefetch: bool = False
+    # Triton GEMVs at B > 1: split the V stages' reduction over several programs per block of rows (partial sums
+    # added with atomics into fp32 scratch that the step zeroes once), so few-row matrices fill the GPU. None =
+    # enough for two programs per SM (kernels/lowrank_linear.py split_k); n > 1 = n for every V stage; 1 = off.
+    # Stages with a fused RMSNorm never split (the norm needs the whole row).
+    split_k: int | None = None
 
     def __post_init__(self) -> None:
         if self.attn_merge not in ("separate", "fused"):
             raise ValueError(f"attn_merge must be 'separate' or 'fused', got {self.attn_merge!r}")
         if self.gemv_stages is not None and self.gemv_stages < 0:
             raise ValueError(f"gemv_stages must be >= 0, got {self.gemv_stages}")
+        if self.split_k is not None and self.split_k < 1:
+            raise ValueError(f"split_k must be >= 1 or None, got {self.split_k}")
         if self.persistent < 0:
             raise ValueError(f"persistent must be >= 0, got {self.persistent}")
         if self.pdl not in ("auto", "on", "off"):
@@ -130,9 +137,6 @@ class _Layer:
         # PARSE slots at B > 1: int32 (7,) on the device, the components in use of q, k, v, o, gate, up, down (the
         # batch's union, stored first); the Triton kernels read only those. None = every component
         self.live: torch.Tensor | None = None
-        # PARSE slots: V-stage rows expected in use per group ("qkv", "o", "gu", "down"), for the GEMV tile choice
-        # (the static ranks, not the slot width); empty = all rows
-        self.rows: dict[str, int] = {}
 
     def klive(self, first: int, last: int) -> torch.Tensor | None:
         """Live widths of projections [first, last) in PROJS order (a view; None without PARSE slots)."""
@@ -218,7 +222,44 @@ class FastDecoder:
             self.mid_lse = z(B, H, self.num_splits, dtype=torch.float32)
             # fused merge: per (row, kv head) arrival counters, reset to 0 by the kernel itself after each merge
             self.attn_counter = z(B, Hkv, dtype=torch.int32) if dcfg.attn_merge == "fused" else None
+        self._plan_splits(dev)
         self._graphs: list[torch.cuda.CUDAGraph] | None = None
+
+    def _plan_splits(self, dev: torch.device) -> None:
+        """Split-K plan of the V stages at B > 1: self.splits[i][group] = (programs per row block, first column of
+        the layer's region in self.tz), and self.tz (layers, B, cols) fp32, zeroed at the start of every step."""
+        B, cfg = self.dcfg.batch_size, self.cfg
+        self.splits: list[dict[str, tuple[int, int]]] = [{} for _ in self.layers]
+        self.tz: torch.Tensor | None = None
+        if not (self.use_triton and self.gemv == "triton" and B > 1 and self.dcfg.split_k != 1):
+            return
+        from rankserve.kernels.lowrank_linear import split_k
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+        cols_max = 0
+        for i, L in enumerate(self.layers):
+            if not L.factorized:
+                continue
+            o, d = L.proj["o"], L.proj["down"]
+            stages = (("qkv", sum(L.qkv_split), cfg.hidden_size, L.folded), ("o", o.rank, o.in_features, False),
+                      ("gu", sum(L.gu_split), cfg.hidden_size, L.folded), ("down", d.rank, d.in_features, False))
+            cols = 0
+            for group, N, K, normed in stages:
+                n = self.dcfg.split_k or split_k(B, N, K, dev.type == "cuda", sms, 2)
+                if n > 1 and not normed and K % 16 == 0:
+                    self.splits[i][group] = (n, cols)
+                    cols += N
+            cols_max = max(cols_max, cols)
+        if cols_max:
+            self.tz = torch.zeros(len(self.layers), B, cols_max, device=dev, dtype=torch.float32)
+
+    def _tv(self, i: int, group: str, width: int) -> tuple[torch.Tensor, int]:
+        """(scratch t, split) of layer i's V stage `group`: its own zeroed region of self.tz when split, else the
+        shared self.t."""
+        plan = self.splits[i].get(group)
+        if plan is None:
+            return self.t[:, :width], 1
+        n, c0 = plan
+        return self.tz[i, :, c0:c0 + width], n
 
     # --- prefill ---------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -250,6 +291,8 @@ class FastDecoder:
 
     def _embed(self) -> None:
         torch.index_select(self.model.embed.weight, 0, self.tokens, out=self.x)
+        if self.tz is not None:  # the split-K V stages add into it
+            self.tz.zero_()
 
     def _finish(self) -> None:
         if self.fuse and not self._pending:  # one GEMV: final norm (folded into head_n) + head, fp32 logits
@@ -287,22 +330,24 @@ class FastDecoder:
         """Ten kernels: norms inside the V GEMVs, residual adds in the o/down epilogues; x is the residual stream."""
         L, B, eps, pdl, cap = self.layers[i], self.dcfg.batch_size, self.cfg.rms_norm_eps, self.pdl, self.grid_cap
         opts = dict(pdl=pdl, grid_cap=cap, stages=self.stages, prefetch=self.prefetch)
-        rows = L.rows.get
         kc, vc = self.cache.k[i], self.cache.v[i]  # (B, S_max, H_kv, D)
         k = self._k
+        t, n = self._tv(i, "qkv", sum(L.qkv_split))
         k["qkv"].qkv_rope(self.x, L.Vqkv, L.Uq, L.Uk, L.Uv, self.cos, self.sin, kc, vc, self.cache.seqlens,
-                          q_out=self.q, t=self.t[:, :sum(L.qkv_split)], norm_eps=eps, keep=L.keep_qkv,
-                          klive=L.klive(0, 3), rows=rows("qkv", 0), **opts)
+                          q_out=self.q, t=t, norm_eps=eps, keep=L.keep_qkv, klive=L.klive(0, 3), split=n, **opts)
         k["attn"].decode_attention(self.q, kc, vc, self.cache.seqlens, num_splits=self.num_splits, out=self.a,
                                    mid_o=self.mid_o, mid_lse=self.mid_lse, pdl=pdl, counter=self.attn_counter)
         o = L.proj["o"]
-        k["ll"].lowrank_linear(self.a.view(B, -1), o.V, o.U, out=self.x, t=self.t[:, :o.rank], residual=True,
-                               keep=L.keep_o, klive=L.klive(3, 4), rows=rows("o", 0), **opts)
-        k["gu"].gate_up(self.x, L.Vgu, L.Ug, L.Uu, out=self.m, t=self.t[:, :sum(L.gu_split)], norm_eps=eps,
-                        keep=L.keep_gu, klive=L.klive(4, 6), rows=rows("gu", 0), **opts)
+        t, n = self._tv(i, "o", o.rank)
+        k["ll"].lowrank_linear(self.a.view(B, -1), o.V, o.U, out=self.x, t=t, residual=True, keep=L.keep_o,
+                               klive=L.klive(3, 4), split=n, **opts)
+        t, n = self._tv(i, "gu", sum(L.gu_split))
+        k["gu"].gate_up(self.x, L.Vgu, L.Ug, L.Uu, out=self.m, t=t, norm_eps=eps, keep=L.keep_gu,
+                        klive=L.klive(4, 6), split=n, **opts)
         d = L.proj["down"]
-        k["ll"].lowrank_linear(self.m, d.V, d.U, out=self.x, t=self.t[:, :d.rank], residual=True, keep=L.keep_down,
-                               klive=L.klive(6, 7), rows=rows("down", 0), **opts)
+        t, n = self._tv(i, "down", d.rank)
+        k["ll"].lowrank_linear(self.m, d.V, d.U, out=self.x, t=t, residual=True, keep=L.keep_down,
+                               klive=L.klive(6, 7), split=n, **opts)
 
     def _layer_unfused(self, i: int) -> None:
         L, B = self.layers[i], self.dcfg.batch_size
@@ -313,10 +358,10 @@ class FastDecoder:
         self._norm(self.y if self._pending else self.x, L.attn_norm, self.h,
                    residual=self.x if self._pending else None)
         if fused:
+            t, n = self._tv(i, "qkv", sum(L.qkv_split))
             self._k["qkv"].qkv_rope(self.h, L.Vqkv, L.Uq, L.Uk, L.Uv, self.cos, self.sin, kc, vc, seqlens,
-                                    q_out=self.q, t=self.t[:, :sum(L.qkv_split)], keep=L.keep_qkv,
-                                    klive=L.klive(0, 3), stages=self.stages, rows=L.rows.get("qkv", 0),
-                                    prefetch=self.prefetch)
+                                    q_out=self.q, t=t, keep=L.keep_qkv, klive=L.klive(0, 3), stages=self.stages,
+                                    prefetch=self.prefetch, split=n)
         else:
             self._qkv_torch(L, kc, vc, seqlens)
         if self.use_triton:
@@ -324,13 +369,13 @@ class FastDecoder:
                                              mid_o=self.mid_o, mid_lse=self.mid_lse, counter=self.attn_counter)
         else:
             self._attention_torch(kc, vc, seqlens)
-        self._linear(L.proj["o"], self.a.view(B, -1), self.y, fused, L.keep_o, L.klive(3, 4), L.rows.get("o", 0))
+        self._linear(i, "o", self.a.view(B, -1), self.y, fused, L.keep_o, L.klive(3, 4))
         # MLP
         self._norm(self.y, L.mlp_norm, self.h, residual=self.x)
         if fused:
-            self._k["gu"].gate_up(self.h, L.Vgu, L.Ug, L.Uu, out=self.m, t=self.t[:, :sum(L.gu_split)],
-                                  keep=L.keep_gu, klive=L.klive(4, 6), stages=self.stages,
-                                  rows=L.rows.get("gu", 0), prefetch=self.prefetch)
+            t, n = self._tv(i, "gu", sum(L.gu_split))
+            self._k["gu"].gate_up(self.h, L.Vgu, L.Ug, L.Uu, out=self.m, t=t, keep=L.keep_gu, klive=L.klive(4, 6),
+                                  stages=self.stages, prefetch=self.prefetch, split=n)
         else:
             if hasattr(L, "Vgu"):
                 tg, tu = _masked(self.h @ L.Vgu.t(), L.keep_gu).split(L.gu_split, dim=-1)
@@ -338,13 +383,16 @@ class FastDecoder:
             else:
                 g, u = (self.h @ L.Wgu.t()).chunk(2, dim=-1)
             torch.mul(F.silu(g), u, out=self.m)
-        self._linear(L.proj["down"], self.m, self.y, fused, L.keep_down, L.klive(6, 7), L.rows.get("down", 0))
+        self._linear(i, "down", self.m, self.y, fused, L.keep_down, L.klive(6, 7))
 
-    def _linear(self, lin, x: torch.Tensor, out: torch.Tensor, fused: bool, keep: torch.Tensor | None,
-                klive: torch.Tensor | None = None, rows: int = 0) -> None:
+    def _linear(self, i: int, p: str, x: torch.Tensor, out: torch.Tensor, fused: bool, keep: torch.Tensor | None,
+                klive: torch.Tensor | None = None) -> None:
+        """Projection p ("o" or "down") of layer i into out."""
+        lin = self.layers[i].proj[p]
         if fused:
-            self._k["ll"].lowrank_linear(x, lin.V, lin.U, out=out, t=self.t[:, :lin.rank], keep=keep, klive=klive,
-                                         stages=self.stages, rows=rows, prefetch=self.prefetch)
+            t, n = self._tv(i, p, lin.rank)
+            self._k["ll"].lowrank_linear(x, lin.V, lin.U, out=out, t=t, keep=keep, klive=klive, stages=self.stages,
+                                         prefetch=self.prefetch, split=n)
         elif lin.factorized:
             torch.mm(_masked(x @ lin.V.t(), keep), lin.U.t(), out=out)  # cuBLAS, rank vector in the activation dtype
         else:

@@ -118,8 +118,6 @@ class ParseSlots:
                 L = self.layers[i]
                 width = sum(L.proj[p].rank for p in names)
                 setattr(L, attr, self.keep_all[:, c0:c0 + width])
-                # V-stage tiles as for the static rank-K model: the union (~K rows) is what the grid works on
-                L.rows[attr[len("keep_"):]] = sum(routers.k.get(proj_name(i, p), L.proj[p].rank) for p in names)
                 for p in names:
                     n, r = proj_name(i, p), L.proj[p].rank
                     if n in self.widths:
