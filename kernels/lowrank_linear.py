@@ -256,14 +256,15 @@ def prefetch_lines(B: int, K: int, BLOCK_K: int, w: torch.Tensor, on: bool) -> i
     return triton.next_power_of_2(triton.cdiv((K - BLOCK_K) * w.element_size(), 128))
 
 
-def split_k(B: int, N: int, K: int, on_gpu: bool, sms: int, waves: int) -> int:
+def split_k(B: int, N: int, K: int, on_gpu: bool, sms: int, waves: int, live: int = 0) -> int:
     """How many programs share each block of rows of an N x K GEMV at B rows (SPLIT of _gemv_kernel): enough
-    for `waves` programs per SM when the row blocks alone are fewer, at least two BLOCK_K tiles each; 1 at B = 1
-    (its narrow tiles already give hundreds of programs) or when waves is 0."""
+    for `waves` programs per SM when the row blocks in use (the first `live` rows, 0 = all N; PARSE slots) are
+    fewer, at least two BLOCK_K tiles each; 1 at B = 1 (its narrow tiles already give hundreds of programs) or
+    when waves is 0."""
     if B == 1 or waves <= 0 or K % 16:
         return 1
     BLOCK_N, BLOCK_K, _, _ = gemv_config(B, N, on_gpu, K)
-    blocks = triton.cdiv(N, BLOCK_N)
+    blocks = triton.cdiv(live or N, BLOCK_N)
     return max(1, min(triton.cdiv(waves * sms, blocks), K // (2 * BLOCK_K)))
 
 

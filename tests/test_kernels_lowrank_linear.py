@@ -140,3 +140,5 @@ def test_split_k_choice():
     assert split_k(8, 1232, 4096, True, 132, 2) == 4  # ceil(264 / 77) = 4 <= 4096 // 1024
     assert split_k(8, 1232, 4096, True, 132, 8) == 4  # capped: two 512-wide tiles per program
     assert split_k(8, 11008, 1792, True, 132, 2) == 1  # 344 blocks already fill two waves
+    assert split_k(8, 1232, 4096, True, 132, 1) == 2  # one wave: ceil(132 / 77)
+    assert split_k(8, 2464, 4096, True, 132, 1, live=1232) == 4  # a slot: 32-row tiles, 39 blocks in use

@@ -158,10 +158,11 @@ def _overlapping(routers: Routers, B: int, tail: int, seed: int) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_live_width_reads_only_the_union(backend):
+@pytest.mark.parametrize("backend, split", [("torch", None), ("triton", None), ("triton", 2)])
+def test_live_width_reads_only_the_union(backend, split):
     """Overlapping subsets: the union is narrower than the slot, the kernels and the eager prefill read only the
-    live prefix (the slot columns beyond it are poisoned with NaN here), and the logits equal the eager pool."""
+    live prefix (the slot columns beyond it are poisoned with NaN here), and the logits equal the eager pool.
+    split=2: the V stages split-K (atomics into zeroed scratch) over the slots as well."""
     B = 3
     pool, routers = _pool()
     subsets = _overlapping(routers, B, tail=1, seed=3)
@@ -172,8 +173,12 @@ def test_live_width_reads_only_the_union(backend):
         cache = KVCache(CFG.num_hidden_layers, B, 32, CFG.num_key_value_heads, CFG.head_dim)
         ref = [pool(prompt, cache, last_only=True)] + [pool(t[:, None], cache, last_only=True) for t in steps]
         clear(pool)
-        slots = ParseSlots(pool, routers, DecodeConfig(batch_size=B, max_seq_len=32, backend=backend, graph="none"),
-                           align=4)
+        slots = ParseSlots(pool, routers, DecodeConfig(batch_size=B, max_seq_len=32, backend=backend, graph="none",
+                                                       split_k=split), align=4)
+        assert (slots.decoder.tz is not None) == (split == 2)
+        L0 = slots.layers[0]  # the split plan sizes slot V stages by the static ranks, not the slot widths
+        assert L0.rows_in_use["o"] == routers.k[proj_name(0, "o")]
+        assert L0.rows_in_use["qkv"] == sum(routers.k.get(proj_name(0, p), L0.proj[p].rank) for p in "qkv")
         sizes = slots.load(subsets)
         for n, size in sizes.items():
             i, p = slots._where[n]

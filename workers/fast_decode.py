@@ -57,7 +57,8 @@ class DecodeConfig:
     l2_prefetch: bool = False
     # Triton GEMVs at B > 1: split the V stages' reduction over several programs per block of rows (partial sums
     # added with atomics into fp32 scratch that the step zeroes once), so few-row matrices fill the GPU. None =
-    # enough for two programs per SM (kernels/lowrank_linear.py split_k); n > 1 = n for every V stage; 1 = off.
+    # enough for one program per SM over the rows in use (kernels/lowrank_linear.py split_k; two per SM measured
+    # slower, decode.md); n > 1 = n for every V stage; 1 = off.
     # Stages with a fused RMSNorm never split (the norm needs the whole row).
     split_k: int | None = None
 
@@ -137,6 +138,9 @@ class _Layer:
         # PARSE slots at B > 1: int32 (7,) on the device, the components in use of q, k, v, o, gate, up, down (the
         # batch's union, stored first); the Triton kernels read only those. None = every component
         self.live: torch.Tensor | None = None
+        # PARSE slots: V-stage rows expected in use per group ("qkv", "o", "gu", "down"), ~the static ranks, for
+        # the split-K plan (FastDecoder._plan_splits); absent = every row
+        self.rows_in_use: dict[str, int] = {}
 
     def klive(self, first: int, last: int) -> torch.Tensor | None:
         """Live widths of projections [first, last) in PROJS order (a view; None without PARSE slots)."""
@@ -244,7 +248,7 @@ class FastDecoder:
                       ("gu", sum(L.gu_split), cfg.hidden_size, L.folded), ("down", d.rank, d.in_features, False))
             cols = 0
             for group, N, K, normed in stages:
-                n = self.dcfg.split_k or split_k(B, N, K, dev.type == "cuda", sms, 2)
+                n = self.dcfg.split_k or split_k(B, N, K, dev.type == "cuda", sms, 1, L.rows_in_use.get(group, 0))
                 if n > 1 and not normed and K % 16 == 0:
                     self.splits[i][group] = (n, cols)
                     cols += N

@@ -118,6 +118,8 @@ class ParseSlots:
                 L = self.layers[i]
                 width = sum(L.proj[p].rank for p in names)
                 setattr(L, attr, self.keep_all[:, c0:c0 + width])
+                # the split-K plan sizes the V stages by the union's expected size (~K), not the slot width
+                L.rows_in_use[attr[len("keep_"):]] = sum(routers.k.get(proj_name(i, p), L.proj[p].rank) for p in names)
                 for p in names:
                     n, r = proj_name(i, p), L.proj[p].rank
                     if n in self.widths:
