@@ -21,6 +21,11 @@ Alternatives measured (bench/kernels_gpu.py --only gemv_sweep, H200):
   - one fused launch splitting r (each program: t_chunk = V_chunk x, then atomically y += U[:, chunk] t_chunk):
     saves a launch but needs a zeroed fp32 y, an extra cast and out * r / chunk fp32 atomics.
 
+Split-K (B > 1): a program owns 16-32 rows there, so few-row V stages (o: 1232 rows -> 77 programs) leave SMs
+idle; `split` lets several programs share a row block, each adding one chunk of the reduction into a zeroed fp32
+t with atomics (the decoder zeroes all split stages' scratch once per step). One program per SM: B = 8 4.21 ->
+4.17 ms/token; two per SM was slower (decode.md).
+
 Pipelining: at B = 1 the K loop is a `tl.range` with num_stages = STAGES (weight tiles through shared memory,
 cp.async); the decoder runs 2 at B = 1 (3.259 vs 3.458 ms/token for the whole step, decode.md). PARSE slots:
 `keep` masks skip dead row blocks and `klive` bounds the K loop by a live width read on the device.
