@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -266,6 +267,26 @@ def make_decoder(model: Transformer, B: int, S: int, backend: str, graph: str, g
                                            **kw))
 
 
+@contextmanager
+def b1_tiles(block_n: int, block_k: int, warps: int):
+    """Bench only: every B = 1 decode GEMV (plain, q/k/v, gate/up) uses this tile while a decoder is built,
+    captured and timed inside the block, to sweep tiles over the whole step rather than one kernel in isolation."""
+    from rankserve.kernels import gate_up, lowrank_linear, qkv_rope
+    mods = (lowrank_linear, gate_up, qkv_rope)
+    saved = [m.gemv_config for m in mods]
+
+    def config(B: int, N: int, on_gpu: bool, K: int = 0) -> tuple[int, int, int, int]:
+        return (block_n, block_k, warps, 1) if B == 1 and on_gpu else saved[0](B, N, on_gpu, K)
+
+    for m in mods:
+        m.gemv_config = config
+    try:
+        yield
+    finally:
+        for m, f in zip(mods, saved):
+            m.gemv_config = f
+
+
 def mark_static(dec: FastDecoder) -> None:
     """Tell torch.compile that the decoder's buffers and cache live at fixed addresses (as gpt-fast's module
     buffers do), so cudagraph trees accept the step's in-place writes to them instead of skipping cudagraphs."""
@@ -400,6 +421,14 @@ def run_case(res: dict, cfg, family, keep, P, B, args, bw, dense_cache) -> None:
             print(f"  greedy check {name}: {case[f'greedy_check_{name}']}", flush=True)
         except Exception as e:
             case[f"greedy_check_{name}"] = dict(error=f"{type(e).__name__}: {e}")
+    for spec in (args.b1_tiles if B == 1 else []):
+        bn, bk, w = (int(v) for v in spec.split(","))
+
+        def timed(bn=bn, bk=bk, w=w):
+            with b1_tiles(bn, bk, w):
+                return time_fast(make_decoder(model, B, S, "triton", "step"), P, n, reps)
+
+        add(f"ours-step-tiles-{bn}x{bk}x{w}", timed, tiles=[bn, bk, w])
     if B == 1 and P == args.prompts[0]:
         try:
             case["greedy_check"] = greedy_match(model, make_decoder(model, B, P + 65, "triton", "step"), P, 64)
@@ -622,6 +651,8 @@ def main(argv: list[str] | None = None) -> int:
                          "cuBLAS rows except in the first case")
     ap.add_argument("--align", type=int, default=GPU_ALIGN,
                     help="zero-pad ranks to a multiple of this on CUDA, as the engine does (1 = stored ranks)")
+    ap.add_argument("--b1-tiles", nargs="*", default=[], metavar="BLOCK_N,BLOCK_K,WARPS",
+                    help="B = 1 cases: also time the whole step with every GEMV on this tile (rows ours-step-tiles-*)")
     ap.add_argument("--extra-rows", nargs="*", default=[], choices=sorted(EXTRA_ROWS),
                     help="also time these decoder options (rows ours-step-<name>)")
     ap.add_argument("--cases", nargs="*", default=None,
