@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="B > 1: also time subsets whose union is this many K (routed subsets overlap)")
     ap.add_argument("--split-k", type=int, default=0,
                     help="DecodeConfig.split_k of both paths (0 = its default; 1 = V stages not split)")
+    ap.add_argument("--pdl", default="auto", choices=["auto", "on", "off"], help="DecodeConfig.pdl of both paths")
     ap.add_argument("--preset", default="llama-7b")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of this script")
     ap.add_argument("--markdown", nargs="*", help="render result JSONs as markdown and exit")
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                       perm={})
     res = dict(env=dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke test)", torch=torch.__version__, triton=triton.__version__,
                         cuda=torch.version.cuda, copy_bw=bw, weights="random, bf16", date=time.strftime("%Y-%m-%d")),
-               setup=dict(preset=args.preset, keep=args.keep, split_k=args.split_k or None, pool_factor=args.pool_factor, prompt=args.prompt,
+               setup=dict(preset=args.preset, keep=args.keep, split_k=args.split_k or None, pdl=args.pdl, pool_factor=args.pool_factor, prompt=args.prompt,
                           static_weight_bytes=weight_bytes_read(static), pool_weight_bytes=weight_bytes_read(pool)),
                batches=[], argv=argv)
     out = Path(args.out)
@@ -165,13 +166,12 @@ def main(argv: list[str] | None = None) -> int:
         res["batches"].append(entry)
         subsets = random_subsets(routers, B, seed=B)
         # static rank-K
-        split = args.split_k or None
-        dec = FastDecoder(static, DecodeConfig(batch_size=B, max_seq_len=S, graph=graph, split_k=split))
+        opts = dict(split_k=args.split_k or None, pdl=args.pdl)
+        dec = FastDecoder(static, DecodeConfig(batch_size=B, max_seq_len=S, graph=graph, **opts))
         entry["rows"].append(row("static", time_fast(dec, P, n, reps), weight_bytes_read(static), bw, B))
         del dec
         # PARSE slots
-        slots = ParseSlots(pool, routers, DecodeConfig(batch_size=B, max_seq_len=S, graph=graph, split_k=split),
-                           align=align)
+        slots = ParseSlots(pool, routers, DecodeConfig(batch_size=B, max_seq_len=S, graph=graph, **opts), align=align)
         sizes = slots.load(subsets)
         entry["union_over_k"] = statistics.mean(sizes[n_] / K[n_] for n_ in K)
         entry["rows"].append(row("parse-slots", time_fast(slots.decoder, P, n, reps), live_bytes(slots, sizes),
