@@ -126,6 +126,13 @@ def test_engine_parse_fast_path_gives_the_eager_tokens(tmp_path):
     ref = eager.generate_batch(prompts, [params] * 2)
     assert [g.token_ids for g in got] == [r.token_ids for r in ref]
     assert fast._slots and not eager._slots  # the fast engine really went through the slots
+    # more prompts than max_batch_size: batches formed by subset overlap, results in the prompts' order
+    four = prompts + ["A little bird sang", "Once upon a time there was"]
+    small = Engine.load(ckpt, fast_path="torch", max_batch_size=2)
+    got = small.generate_batch(four, [params] * 4)
+    assert [g.token_ids for g in got] == [eager.generate(p, params).token_ids for p in four]
+    with pytest.raises(ValueError, match="sampling params"):
+        small.generate_batch(four, [params] * 3)
 
 
 @pytest.mark.parametrize("B", [1, 3])

@@ -20,6 +20,7 @@ from rankserve.workers.fast_decode import DecodeConfig, FastDecoder
 from rankserve.workers.kv_cache import KVCache
 from rankserve.workers.model import Transformer
 from rankserve.workers.parse import Routers, apply, clear, load_parse, select, validate
+from rankserve.workers.parse_batching import component_cost, group_by_overlap, membership
 from rankserve.workers.parse_decode import ParseSlots
 from rankserve.workers.sampler import SamplingParams, sample
 from rankserve.workers.tokenizer import Tokenizer
@@ -126,9 +127,24 @@ class Engine:
 
     def generate_batch(self, prompts: list[str], params: list[SamplingParams],
                        subset: dict | None = None) -> list[GenerationResult]:
+        """Results in the prompts' order. More prompts than max_batch_size run as several batches; with PARSE
+        routers (and no common `subset`) the batches are formed by subset overlap (workers/parse_batching.py),
+        otherwise in order."""
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         rows = [_Row(self.encode_prompt(p, sp), sp, self.eos) for p, sp in zip(prompts, params)]
-        for _ in self._decode(rows, subset):
-            pass
+        B = self.max_batch_size
+        routed = None
+        if self.routers is not None and subset is None:
+            routed = [select(self.model, self.routers, r.prompt_ids) for r in rows]
+        if routed is not None and len(rows) > B:
+            shapes = {n: (l.out_features, l.in_features) for n, l in self.model.projections().items()}
+            groups = group_by_overlap(membership(routed, self.routers), component_cost(self.routers, shapes), B)
+        else:
+            groups = [list(range(i, min(i + B, len(rows)))) for i in range(0, len(rows), B)]
+        for g in groups:
+            for _ in self._decode([rows[i] for i in g], subset, None if routed is None else [routed[i] for i in g]):
+                pass
         return [GenerationResult(r.released, r.ids, len(r.prompt_ids), r.finish or "length") for r in rows]
 
     def stream(self, prompt: str, params: SamplingParams | None = None, subset: dict | None = None) -> Iterator[StreamEvent]:
@@ -171,7 +187,8 @@ class Engine:
 
     # --- the loop --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def _decode(self, rows: list[_Row], subset: dict | None) -> Iterator[list[tuple[int, str]]]:
+    def _decode(self, rows: list[_Row], subset: dict | None,
+                routed: list[dict] | None = None) -> Iterator[list[tuple[int, str]]]:
         if subset is not None and self.routers is None:
             raise ValueError("this model has no PARSE rank experts; it cannot take a rank subset")
         if len(rows) > self.max_batch_size:
@@ -182,7 +199,7 @@ class Engine:
         # PARSE: `subset` (None: each row's own routed subset) masks the prefill and every decode step (rank reuse);
         # on the fast path the subsets are gathered into rank slots instead (workers/parse_decode.py)
         subsets = ([validate(subset, self.routers)] * len(rows) if subset is not None else
-                   [select(self.model, self.routers, r.prompt_ids) for r in rows])
+                   routed or [select(self.model, self.routers, r.prompt_ids) for r in rows])
         try:
             yield from self._steps(rows, subsets)
         finally:
