@@ -9,7 +9,8 @@ H / H_kv query heads (padded to BLOCK_H >= 16 rows for tl.dot), so each K/V tile
 it walks its slice of the row's keys in BLOCK_N tiles with an online softmax (exp2, fp32) and writes the
 normalized partial output and its log2-sum-exp to an fp32 scratch. Slices are per row:
 cdiv(seqlen, num_splits) rounded up to BLOCK_N, so short rows leave trailing splits empty (lse = -inf).
-Stage 2, grid (B, H): merges the num_splits partials with the log-sum-exp rescale.
+Stage 2, grid (B, H): merges the num_splits partials with the log-sum-exp rescale. With one split (short
+caches: default_num_splits gives 1 up to 256 keys) stage 1 writes the output itself and stage 2 is not launched.
 num_splits is a launcher argument fixed per captured graph (default_num_splits picks it from S_max), so the
 grid never depends on data. Template: SGLang / LightLLM `_fwd_grouped_kernel_stage1/2`.
 
@@ -83,6 +84,10 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_seqlens_ptr, mid_o_ptr, mid_
     nonempty = l_i > 0.0  # False for an empty split
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))  # (BLOCK_H,)
     o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:  # the only split holds every key: its normalized output is the answer (no merge)
+        tl.store(out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+        return
     tl.store(mid_o_ptr + b * stride_mb + offs_h[:, None] * stride_mh + split * stride_ms + offs_d[None, :], o,
              mask=mask_g[:, None] & mask_d[None, :])
     tl.store(mid_lse_ptr + b * stride_lb + offs_h * stride_lh + split, lse, mask=mask_g)
@@ -204,7 +209,7 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, out, mid_o, mid_lse, BLOC
         NUM_SPLITS=num_splits, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
         FUSED_MERGE=counter is not None, SPLITS_PAD=triton.next_power_of_2(num_splits),
         num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl))
-    if counter is not None:
+    if counter is not None or num_splits == 1:  # merged in the first launch, or nothing to merge
         return
     _decode_merge_kernel[(B, H)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
