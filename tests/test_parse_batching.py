@@ -55,3 +55,12 @@ def test_bad_arguments():
         group_by_overlap(m, np.ones(5, dtype=np.float32), 0)
     with pytest.raises(ValueError, match="cost"):
         group_by_overlap(m, np.ones(4, dtype=np.float32), 2)
+
+
+def test_membership_checks_lengths_and_ranges():
+    with pytest.raises(ValueError, match="l0.down: subset of 2 components, expected 3"):
+        membership([_subset([0, 1], [0, 1])], ROUTERS)
+    with pytest.raises(ValueError, match="l0.down: component 6 is out of range"):
+        membership([_subset([0, 1], [0, 1, 6])], ROUTERS)
+    with pytest.raises(ValueError, match="l0.q: component -1 is out of range"):
+        membership([_subset([-1, 1], [0, 1, 2])], ROUTERS)

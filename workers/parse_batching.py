@@ -13,19 +13,39 @@ component bytes to its union.
 
 from __future__ import annotations
 
+from itertools import chain
+
 import numpy as np
 
 from rankserve.workers.parse import Routers
 
 
+def bases(routers: Routers) -> np.ndarray:
+    """(M + 1,) int64: matrix m (routers.k's order) owns the global component ids bases[m] .. bases[m + 1] - 1."""
+    return np.concatenate([[0], np.cumsum([routers.r_max[n] for n in routers.k])]).astype(np.int64)
+
+
 def membership(subsets: list[dict], routers: Routers) -> np.ndarray:
-    """(N, G) bool: column gbase[n] + i is component i of projection n (routers' order); row j = subsets[j]."""
-    names = list(routers.k)
-    base = np.concatenate([[0], np.cumsum([routers.r_max[n] for n in names])]).astype(np.int64)
+    """(N, G) bool: column bases[m] + i is component i of matrix m (routers.k's order); row j = subsets[j].
+    Checks each list's length (K) and range (< r_max) as it goes, vectorized over all matrices of a subset."""
+    names, base = list(routers.k), bases(routers)
+    k = np.array([routers.k[n] for n in names], dtype=np.int64)
+    kbase = np.repeat(base[:-1], k)  # (sum K,) global base of each listed component
+    krmax = np.repeat(base[1:] - base[:-1], k)
     member = np.zeros((len(subsets), int(base[-1])), dtype=bool)
     for j, s in enumerate(subsets):
-        for m, n in enumerate(names):
-            member[j, base[m] + np.asarray(s["k"][n], dtype=np.int64)] = True
+        lists = [s["k"][n] for n in names]
+        lens = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+        if not np.array_equal(lens, k):
+            m = int(np.flatnonzero(lens != k)[0])
+            raise ValueError(f"{names[m]}: subset of {lens[m]} components, expected {k[m]}")
+        vals = np.fromiter(chain.from_iterable(lists), dtype=np.int64, count=int(k.sum()))
+        bad = (vals < 0) | (vals >= krmax)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"{names[int(np.searchsorted(base, kbase[i], side='right')) - 1]}: "
+                             f"component {vals[i]} is out of range")
+        member[j, vals + kbase] = True
     return member
 
 
@@ -60,9 +80,8 @@ def group_by_overlap(members: np.ndarray, cost: np.ndarray, batch_size: int) -> 
 def union_over_k(members: np.ndarray, routers: Routers, groups: list[list[int]]) -> float:
     """Mean over batches and routed projections of |union of the batch's subsets| / K (the quantity the decode
     cost follows; bench/parse_overlap.py reports it for in-order and grouped batches)."""
-    names = list(routers.k)
-    base = np.concatenate([[0], np.cumsum([routers.r_max[n] for n in names])]).astype(np.int64)
-    k = np.array([routers.k[n] for n in names], dtype=np.float64)
+    base = bases(routers)
+    k = np.array([routers.k[n] for n in routers.k], dtype=np.float64)
     fr = []
     for g in groups:
         u = members[g].any(axis=0)

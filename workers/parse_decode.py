@@ -27,8 +27,6 @@ admission and reused for every decode step (rank reuse); `bench/parse_speed.py` 
 
 from __future__ import annotations
 
-from itertools import chain
-
 import numpy as np
 import torch
 from torch import nn
@@ -37,6 +35,7 @@ from rankserve.workers.align import padded
 from rankserve.workers.fast_decode import DecodeConfig, FastDecoder, _Layer
 from rankserve.workers.model import ATTN_PROJS, PROJS, Transformer, proj_name
 from rankserve.workers.parse import Routers
+from rankserve.workers.parse_batching import bases, membership
 
 
 LIVE_ALIGN = 16  # the kernels read live widths in groups of 16 components (kernels/lowrank_linear.py gemv)
@@ -81,17 +80,15 @@ class ParseSlots:
         dev, dt = pool.embed.weight.device, pool.embed.weight.dtype
         self.layers = [_Layer(blk, pool.cfg, fold=dcfg.fused()) for blk in self.model.layers]
         self.masked = B > 1  # B = 1: the slot is exactly the subset, nothing to mask
-        self.names = list(self.widths)  # routed projections, in a fixed order
+        self.names = list(routers.k)  # routed projections, in membership()'s order (= self.widths')
         self._where = {proj_name(i, p): (i, PROJS.index(p)) for i in range(len(self.layers)) for p in PROJS}
         # host-side index plan (numpy, built once): component i of matrix m has the global id gbase[m] + i
-        M = len(self.names)
-        r_max = np.array([routers.r_max[n] for n in self.names], dtype=np.int64)
+        # (workers/parse_batching.py membership: the same order, routers.k's)
+        base = bases(routers)
         self._k = np.array([routers.k[n] for n in self.names], dtype=np.int64)
         self._W = np.array([self.widths[n] for n in self.names], dtype=np.int64)
-        self._gbase = np.concatenate([[0], np.cumsum(r_max)[:-1]])
-        self._mat_of_gid = np.repeat(np.arange(M), r_max)  # (G,)
-        self._kbase = np.repeat(self._gbase, self._k)  # (sum K,) global base of each listed component
-        self._krmax = np.repeat(r_max, self._k)
+        self._gbase = base[:-1]
+        self._mat_of_gid = np.repeat(np.arange(len(self.names)), base[1:] - base[:-1])  # (G,)
         self._sbase = np.concatenate([[0], np.cumsum(self._W)[:-1]])  # slot offset of each matrix in (sum W,)
         self._idx: np.ndarray | None = None  # what the slots hold: (sum W,) pool indices and (B, sum W) keep
         self._keep: np.ndarray | None = None
@@ -132,26 +129,6 @@ class ParseSlots:
         self._plins, self._slins = pool.projections(), self.model.projections()
         self.last_changed = 0  # matrices the last load() gathered (0: the slots already held the batch's subsets)
 
-    def _members(self, rows: list[dict]) -> np.ndarray:
-        """(B, G) bool: component g is in row b's subset. Checks the lists' lengths and ranges as it goes."""
-        G = len(self._mat_of_gid)
-        member = np.zeros((len(rows), G), dtype=bool)
-        total = int(self._k.sum())
-        for b, s in enumerate(rows):
-            lists = [s["k"][n] for n in self.names]
-            lens = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
-            if not np.array_equal(lens, self._k):
-                m = int(np.flatnonzero(lens != self._k)[0])
-                raise ValueError(f"{self.names[m]}: subset of {lens[m]} components, expected {self._k[m]}")
-            vals = np.fromiter(chain.from_iterable(lists), dtype=np.int64, count=total)
-            bad = (vals < 0) | (vals >= self._krmax)
-            if bad.any():
-                j = int(np.flatnonzero(bad)[0])
-                n = self.names[int(self._mat_of_gid[self._kbase[j]])]
-                raise ValueError(f"{n}: component {vals[j]} is out of range")
-            member[b, vals + self._kbase] = True
-        return member
-
     @torch.no_grad()
     def load(self, subsets: list[dict]) -> dict[str, int]:
         """Gather the batch's subsets (validated, one per row) into the slots; -> union size per projection.
@@ -165,7 +142,7 @@ class ParseSlots:
             raise ValueError(f"expected 1..{self.B} subsets, got {len(subsets)}")
         rows = list(subsets) + [subsets[-1]] * (self.B - len(subsets))
         dev = self.pool.embed.weight.device
-        member = self._members(rows)  # (B, G)
+        member = membership(rows, self.routers)  # (B, G), lengths and ranges checked
         ugid = np.flatnonzero(member.any(0))  # the union, sorted (matrix by matrix, then component)
         umat = self._mat_of_gid[ugid]
         size = np.bincount(umat, minlength=len(self.names))  # (M,)
