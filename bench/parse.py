@@ -175,6 +175,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def load_cached(cache: str | Path, model: str | Path, base: str, tag: str):
+    """(tokenizer, dense, static, PARSE pool model, routers) from the checkpoints main() cached, fp32 on the CPU;
+    None (after saying which is missing on stderr) when they are not there yet."""
+    static_dir = Path(cache) / f"{Path(model).name}-{base}-0.6"
+    parse_dir = Path(cache) / f"{Path(model).name}-parse-{base}-0.6-x2-{tag}"
+    for d in (static_dir, parse_dir):
+        if not d.is_dir():
+            print(f"error: {d} is missing; run python -m rankserve.bench.parse first", file=sys.stderr)
+            return None
+    dense, _ = load_checkpoint(model, "cpu", torch.float32)
+    static, _ = load_checkpoint(static_dir, "cpu", torch.float32)
+    pool, _ = load_checkpoint(parse_dir, "cpu", torch.float32)
+    return Tokenizer.load(model), dense, static, pool, load_parse(parse_dir, pool)
+
+
 def _windows(text: str, tok: Tokenizer, seq_len: int, n: int) -> torch.Tensor:
     """The first n non-overlapping windows (n, seq_len) of the text's tokens, each starting with BOS."""
     ids = tok.encode(text, bos=False)

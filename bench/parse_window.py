@@ -20,10 +20,8 @@ from pathlib import Path
 import torch
 
 from rankserve.bench.decode import write_json
-from rankserve.bench.parse import SHARED, _score, _windows
-from rankserve.workers.checkpoint import load_checkpoint
-from rankserve.workers.parse import load_parse, select_batch
-from rankserve.workers.tokenizer import Tokenizer
+from rankserve.bench.parse import SHARED, _score, _windows, load_cached
+from rankserve.workers.parse import select_batch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,19 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=40000)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    static_dir = Path(a.cache) / f"{Path(a.model).name}-{a.base}-0.6"
-    parse_dir = Path(a.cache) / f"{Path(a.model).name}-parse-{a.base}-0.6-x2-{a.tag}"
-    for d in (static_dir, parse_dir):
-        if not d.is_dir():
-            print(f"error: {d} is missing; run python -m rankserve.bench.parse first", file=sys.stderr)
-            return 2
-    tok = Tokenizer.load(a.model)
-    dense, _ = load_checkpoint(a.model, "cpu", torch.float32)
+    loaded = load_cached(a.cache, a.model, a.base, a.tag)
+    if loaded is None:
+        return 2
+    tok, dense, static, model, routers = loaded
     text = (SHARED / "wikitext-2-raw-test" / "wiki.test.raw").read_text(encoding="utf-8", errors="replace")
     windows = _windows(text, tok, a.seq_len, math.ceil(a.max_tokens / (a.seq_len - 1)))
-    static, _ = load_checkpoint(static_dir, "cpu", torch.float32)
-    model, _ = load_checkpoint(parse_dir, "cpu", torch.float32)
-    routers = load_parse(parse_dir, model)
     with torch.inference_mode():
         subsets = [s for i in range(0, len(windows), 8) for s in select_batch(model, routers, windows[i:i + 8])]
         res = _score(dense, {"static": (static, None), "parse (whole-window routing)": (model, subsets)},
