@@ -47,8 +47,6 @@ FAMILIES = ("svd-llm", "dobi", "basis-sharing")
 EXTRA_ROWS = {"fusedattn": dict(attn_merge="fused"), "persist4": dict(persistent=4), "persist8": dict(persistent=8),
               "fusedattn-persist4": dict(attn_merge="fused", persistent=4),
               "stages2": dict(gemv_stages=2), "stages3": dict(gemv_stages=3), "stages4": dict(gemv_stages=4),
-              "prefetch": dict(l2_prefetch=True), "prefetch-stages1": dict(l2_prefetch=True, gemv_stages=1),
-              "prefetch-stages3": dict(l2_prefetch=True, gemv_stages=3),
               "nosplit": dict(split_k=1), "split2": dict(split_k=2),
               "pdl": dict(pdl="on"), "fused": dict(fuse_norm=True), "pdl-fused": dict(pdl="on", fuse_norm=True)}
 DTYPES = {"cuda": torch.bfloat16, "cpu": torch.float32}  # the CPU run is a smoke test of this script, not a figure

@@ -10,14 +10,13 @@ import triton
 import triton.language as tl
 
 from rankserve.kernels.lowrank_linear import (_gemv_tile, gdc_launch_dependents, gemv, gemv_config, launch_opts,
-                                              live_width, pad_rows, prefetch_lines)
+                                              live_width, pad_rows)
 
 
 @triton.jit
 def _gate_up_u_kernel(t_ptr, Ug_ptr, Uu_ptr, h_ptr, klive_ptr, B, N, rg, ru, stride_t, stride_ug, stride_uu,
                       stride_h, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      LIVE: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr, PF_G: tl.constexpr,
-                      PF_U: tl.constexpr):
+                      LIVE: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr):
     # grid (cdiv(N, BLOCK_N),): h[b, n] = silu(sum_j t[b, j] Ug[n, j]) * sum_j t[b, rg + j] Uu[n, j]
     # LIVE: gate / up read only their first klive[0] / klive[1] rank components (PARSE slots)
     if PDL:
@@ -31,9 +30,9 @@ def _gate_up_u_kernel(t_ptr, Ug_ptr, Uu_ptr, h_ptr, klive_ptr, B, N, rg, ru, str
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         g = _gemv_tile(t_ptr, stride_t, Ug_ptr, stride_ug, offs_n, mask_n, B, rg, kg, 0.0, B_PAD, BLOCK_N,
-                       BLOCK_K, False, PDL, STAGES, PF_G)
+                       BLOCK_K, False, PDL, STAGES)
         u = _gemv_tile(t_ptr + rg, stride_t, Uu_ptr, stride_uu, offs_n, mask_n, B, ru, ku, 0.0, B_PAD, BLOCK_N,
-                       BLOCK_K, False, False, STAGES, PF_U)
+                       BLOCK_K, False, False, STAGES)
         h = g / (1.0 + tl.exp(-g)) * u  # (B_PAD, BLOCK_N) fp32
         offs_b = tl.arange(0, B_PAD)
         tl.store(h_ptr + offs_b[:, None] * stride_h + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
@@ -43,8 +42,7 @@ def _gate_up_u_kernel(t_ptr, Ug_ptr, Uu_ptr, h_ptr, klive_ptr, B, N, rg, ru, str
 def gate_up(x: torch.Tensor, Vgu: torch.Tensor, Ug: torch.Tensor, Uu: torch.Tensor, *,
             out: torch.Tensor | None = None, t: torch.Tensor | None = None, norm_eps: float | None = None,
             keep: torch.Tensor | None = None, klive: torch.Tensor | None = None, pdl: bool = False,
-            grid_cap: int = 0, stages: int = 0, prefetch: bool = False,
-            split: int = 1) -> torch.Tensor:
+            grid_cap: int = 0, stages: int = 0, split: int = 1) -> torch.Tensor:
     """h = silu(Ug (Vg x)) * (Uu (Vu x)) for each row of x.
 
     x: (B, hidden) already RMS-normed, bf16 (GPU) or fp32, B <= 8. Vgu: (rg + ru, hidden), gate then up input
@@ -53,10 +51,10 @@ def gate_up(x: torch.Tensor, Vgu: torch.Tensor, Ug: torch.Tensor, Uu: torch.Tens
     norm_eps: x is the raw residual stream, RMS-normalized inside the first GEMV (norm weight folded into Vgu).
     keep: optional (B, rg + ru) 0/1 mask of each row's rank components (PARSE). klive: optional int32 (2,)
     device tensor, components in use of gate and up (PARSE slots: only those are read, rounded up to 16; ranks
-    must be multiples of 16). pdl: programmatic dependent launch (Hopper+). grid_cap: at most this many programs per launch (persistent programs; 0 = one per block).
-    stages: pipeline depth of the weight stream (0 = gemv_config's; see lowrank_linear._gemv_tile).
-    prefetch: L2 prefetch of each program's rows before the wait (B = 1, GPU; see gemv). split: split-K of the
-    first GEMV (see gemv; a given t must then hold fp32 zeros).
+    must be multiples of 16). pdl: programmatic dependent launch (Hopper+). grid_cap: at most this many programs
+    per launch (persistent programs; 0 = one per block). stages: pipeline depth of the weight stream (0 =
+    gemv_config's; see lowrank_linear._gemv_tile). split: split-K of the first GEMV (see gemv; a given t must then
+    hold fp32 zeros).
     Returns h (B, inter). Two launches, no host sync.
     """
     B = x.shape[0]
@@ -71,16 +69,14 @@ def gate_up(x: torch.Tensor, Vgu: torch.Tensor, Ug: torch.Tensor, Uu: torch.Tens
     if out is None:
         out = torch.empty(B, N, device=x.device, dtype=x.dtype)
     gemv(x, Vgu, out=t, norm_eps=norm_eps, keep=keep, pdl=pdl, grid_cap=grid_cap, stages=stages,
-         prefetch=prefetch, split=split)  # (B, rg + ru) fp32
+         split=split)  # (B, rg + ru) fp32
     BLOCK_N, BLOCK_K, num_warps, num_stages = gemv_config(B, N, x.is_cuda)
     num_stages = stages or num_stages
     blocks = triton.cdiv(N, BLOCK_N)
     _gate_up_u_kernel[(min(blocks, grid_cap) if grid_cap > 0 else blocks,)](
         t, Ug, Uu, out, klive if klive is not None else out, B, N, rg, ru, t.stride(0), Ug.stride(0), Uu.stride(0),
         out.stride(0), B_PAD=pad_rows(B), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, LIVE=klive is not None, PDL=pdl,
-        STAGES=num_stages if B == 1 else 1, PF_G=prefetch_lines(B, rg, BLOCK_K, Ug, prefetch),
-        PF_U=prefetch_lines(B, ru, BLOCK_K, Uu, prefetch), num_warps=num_warps, num_stages=num_stages,
-        **launch_opts(pdl))
+        STAGES=num_stages if B == 1 else 1, num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl))
     return out
 
 

@@ -62,24 +62,9 @@ except ImportError:  # pragma: no cover - older triton: PDL stays off
 
 
 @triton.jit
-def _l2_prefetch(w_ptr, stride_w, offs_n, mask_n, k0, k1, BLOCK_N: tl.constexpr, LINES: tl.constexpr):
-    """Ask L2 for columns [k0, k1) of rows offs_n of w, one `prefetch.global.L2` per 128-byte line (at most
-    LINES lines a row; GPU only: inline PTX). No value comes back and nothing waits on it, so it costs only the
-    issue slots; the later loads of those bytes then hit L2 instead of waiting on DRAM."""
-    STEP: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
-    lines = tl.arange(0, LINES)
-    last = tl.maximum(tl.cdiv(k1 - k0, STEP) - 1, 0)
-    cols = k0 + tl.minimum(lines, last) * STEP  # (LINES,) past the end: the last line again (no new traffic)
-    rows = tl.where(mask_n, offs_n, 0)
-    ptrs = w_ptr + rows[:, None] * stride_w + cols[None, :]  # (BLOCK_N, LINES)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, K_run, eps,
                B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               NORM: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr = 0):
+               NORM: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr):
     """acc[b, n] = sum_k x[b, k] * w[offs_n[n], k] for k in [0, K_run); fp32 (B_PAD, BLOCK_N).
 
     x: rows b < B at x_ptr + b * stride_x, any float dtype; w: row-major rows at w_ptr + n * stride_w.
@@ -93,9 +78,6 @@ def _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, K_run, ep
     so under programmatic dependent launch the stream starts while that kernel drains.
     STAGES (B = 1): software-pipeline depth of the K loop; > 1 streams the weight tiles through shared memory
     (cp.async), STAGES - 1 tiles ahead. B > 1 pipelines through the launch's num_stages (the tl.dot loop).
-    PREFETCH (B = 1, GPU only): before the wait, also ask L2 for the rest of these rows up to K_run, at most
-    PREFETCH 128-byte lines a row (0 = off), so the whole row block streams from DRAM while the previous kernel
-    drains, not just the first tile.
     """
     offs_b = tl.arange(0, B_PAD)
     mask_b = offs_b < B
@@ -105,9 +87,6 @@ def _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K, K_run, ep
         # CUDA cores; reduce over K once, after the loop
         w = tl.load(w_ptr + offs_n[:, None] * stride_w + offs_k[None, :],
                     mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
-        if PREFETCH > 0:
-            if K_run > BLOCK_K:
-                _l2_prefetch(w_ptr, stride_w, offs_n, mask_n, BLOCK_K, K_run, BLOCK_N, PREFETCH)
         if PDL:
             gdc_wait()
         run_k = offs_k < K_run
@@ -176,7 +155,7 @@ def live_width(K, klive_ptr):
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, keep_ptr, klive_ptr, B, N, K, stride_x, stride_w, stride_y, stride_keep, eps,
                  B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  NORM: tl.constexpr, RESIDUAL: tl.constexpr, KEEP: tl.constexpr, LIVE: tl.constexpr,
-                 PDL: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr):
+                 PDL: tl.constexpr, STAGES: tl.constexpr, SPLIT: tl.constexpr):
     # grid (cdiv(N, BLOCK_N), SPLIT): y[b, n] (+)= sum_k x[b, k] w[n, k] (RESIDUAL: added to y in place), y's dtype;
     # SPLIT > 1: program (nb, s) sums one chunk of k (a multiple of BLOCK_K) and adds it into y with an atomic
     # (y fp32 and zeroed by the caller; no NORM, RESIDUAL or LIVE), so a few-row matrix still fills every SM;
@@ -214,10 +193,10 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, keep_ptr, klive_ptr, B, N, K, stride_x, st
             k_blk = tl.multiple_of(tl.where(alive, K_run, 0), 16)
             mask_live = mask_n & (offs_n < tl.where(alive, N, 0))  # (a tensor & scalar-bool trips the interpreter)
             acc = _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_live, B, K_len, k_blk, eps, B_PAD,
-                             BLOCK_N, BLOCK_K, NORM, PDL, STAGES, PREFETCH) * kp
+                             BLOCK_N, BLOCK_K, NORM, PDL, STAGES) * kp
         else:
             acc = _gemv_tile(x_ptr, stride_x, w_ptr, stride_w, offs_n, mask_n, B, K_len, K_run, eps, B_PAD, BLOCK_N,
-                             BLOCK_K, NORM, PDL, STAGES, PREFETCH)
+                             BLOCK_K, NORM, PDL, STAGES)
         if RESIDUAL:  # each element is owned by one program: the in-place add is race free
             acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
         if SPLIT > 1:
@@ -253,14 +232,6 @@ def gemv_config(B: int, N: int, on_gpu: bool, K: int = 0) -> tuple[int, int, int
     return (32, 256, 4, 4) if K >= 4096 else (32, 128, 4, 4)
 
 
-def prefetch_lines(B: int, K: int, BLOCK_K: int, w: torch.Tensor, on: bool) -> int:
-    """PREFETCH of _gemv_tile: 128-byte lines a row beyond the first weight tile, a power of two (0 = off).
-    Only at B = 1 on the GPU (inline PTX; the interpreter cannot run it)."""
-    if not (on and B == 1 and w.is_cuda and K > BLOCK_K):
-        return 0
-    return triton.next_power_of_2(triton.cdiv((K - BLOCK_K) * w.element_size(), 128))
-
-
 def split_k(B: int, N: int, K: int, on_gpu: bool, sms: int, waves: int, live: int = 0) -> int:
     """How many programs share each block of rows of an N x K GEMV at B rows (SPLIT of _gemv_kernel): enough
     for `waves` programs per SM when the row blocks in use (the first `live` rows, 0 = all N; PARSE slots) are
@@ -275,8 +246,7 @@ def split_k(B: int, N: int, K: int, on_gpu: bool, sms: int, waves: int, live: in
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, norm_eps: float | None = None,
          residual: bool = False, keep: torch.Tensor | None = None, klive: torch.Tensor | None = None,
-         pdl: bool = False, grid_cap: int = 0, stages: int = 0, prefetch: bool = False,
-         split: int = 1) -> torch.Tensor:
+         pdl: bool = False, grid_cap: int = 0, stages: int = 0, split: int = 1) -> torch.Tensor:
     """y = x @ wᵀ for a few rows of x, fp32 accumulation.
 
     x: (B, K) bf16/fp16/fp32, unit stride along K. w: (N, K) row-major, unit stride along K.
@@ -290,8 +260,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, n
     grid_cap: at most this many programs (0 = one per block of rows), each then striding over several blocks
     (persistent programs). stages: pipeline depth of the weight stream (0 = gemv_config's; see _gemv_tile's
     STAGES). pdl: launch with programmatic dependent launch (Hopper+, CUDA only).
-    prefetch: at B = 1 on the GPU, ask L2 for each program's whole row block before waiting on the previous
-    kernel (_gemv_tile's PREFETCH; measured slower, decode.md).
     split: > 1 splits the reduction over that many programs per block of rows (see split_k), which add their
     partial sums into out with atomics: out must be an fp32 buffer of zeros; not with norm_eps, residual, klive.
     Returns out. No host sync, no allocation when out is given (CUDA-graph capturable).
@@ -320,7 +288,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, n
         kp.stride(0), float(norm_eps or 0.0),
         B_PAD=pad_rows(B), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NORM=norm_eps is not None, RESIDUAL=residual,
         KEEP=keep is not None, LIVE=klive is not None, PDL=pdl, STAGES=num_stages if B == 1 else 1,
-        PREFETCH=prefetch_lines(B, K, BLOCK_K, w, prefetch), SPLIT=max(split, 1),
+        SPLIT=max(split, 1),
         num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl))
     return out
 
@@ -338,26 +306,23 @@ def pdl_supported(device: torch.device) -> bool:
 def lowrank_linear(x: torch.Tensor, V: torch.Tensor, U: torch.Tensor, *,
                    out: torch.Tensor | None = None, t: torch.Tensor | None = None, residual: bool = False,
                    keep: torch.Tensor | None = None, klive: torch.Tensor | None = None, pdl: bool = False,
-                   grid_cap: int = 0, stages: int = 0, prefetch: bool = False, split: int = 1) -> torch.Tensor:
+                   grid_cap: int = 0, stages: int = 0, split: int = 1) -> torch.Tensor:
     """y = U (V x) for each row of x: the canonical factorization W (out, in) ~ U (out, r) @ V (r, in).
 
     x: (B, in), B <= 8 (decode rows), bf16 (GPU) or fp32; V: (r, in) and U: (out, r) row-major, x.dtype.
     t: optional fp32 (B, r) scratch for V x (kept in fp32 so the rank-space activation is not rounded).
     out: optional (B, out) buffer, x.dtype; residual: out += U (V x) in place (the decoder's residual stream).
     keep: optional (B, r) 0/1 mask of each row's rank components (PARSE), applied to V x. klive: optional int32
-    (1,) device tensor: only the first klive[0] components are in use (see gemv). grid_cap, stages, prefetch:
-    see gemv. split: split-K of the V stage (see gemv; a given t must then hold fp32 zeros).
+    (1,) device tensor: only the first klive[0] components are in use (see gemv). grid_cap, stages: see gemv. split: split-K of the V stage (see gemv; a given t must then hold fp32 zeros).
     Two launches, no host sync; no allocation when out and t are given.
     """
     B = x.shape[0]
     if t is None:
         t = (torch.zeros if split > 1 else torch.empty)(B, V.shape[0], device=x.device, dtype=torch.float32)
-    gemv(x, V, out=t, keep=keep, pdl=pdl, grid_cap=grid_cap, stages=stages, prefetch=prefetch,
-         split=split)  # (B, r) fp32
+    gemv(x, V, out=t, keep=keep, pdl=pdl, grid_cap=grid_cap, stages=stages, split=split)  # (B, r) fp32
     if out is None:
         out = torch.empty(B, U.shape[0], device=x.device, dtype=x.dtype)
-    return gemv(t, U, out=out, residual=residual, klive=klive, pdl=pdl, grid_cap=grid_cap, stages=stages,
-                prefetch=prefetch)
+    return gemv(t, U, out=out, residual=residual, klive=klive, pdl=pdl, grid_cap=grid_cap, stages=stages)
 
 
 def lowrank_linear_ref(x: torch.Tensor, V: torch.Tensor, U: torch.Tensor) -> torch.Tensor:

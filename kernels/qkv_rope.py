@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from rankserve.kernels.lowrank_linear import (_gemv_tile, gdc_launch_dependents, gemv, gemv_config, launch_opts,
-                                              live_width, pad_rows, prefetch_lines)
+                                              live_width, pad_rows)
 
 
 @triton.jit
@@ -26,7 +26,7 @@ def _qkv_u_rope_kernel(t_ptr, Uq_ptr, Uk_ptr, Uv_ptr, cos_ptr, sin_ptr, cache_se
                        stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                        H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                        B_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, LIVE: tl.constexpr,
-                       PDL: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr):
+                       PDL: tl.constexpr, STAGES: tl.constexpr):
     # grid (H + 2 * HKV, cdiv(HALF, BLOCK_D)); program = rows (d, d + HALF) of one q, k or v head
     # LIVE: the projection reads only its first klive[0 | 1 | 2] rank components (PARSE slots)
     if PDL:
@@ -53,9 +53,9 @@ def _qkv_u_rope_kernel(t_ptr, Uq_ptr, Uk_ptr, Uv_ptr, cos_ptr, sin_ptr, cache_se
     mask_d = offs_d < HALF
     rows = head * (2 * HALF) + offs_d  # rows of U for the first half of the head
     y1 = _gemv_tile(t_ptr + t_off, stride_t, U_ptr, stride_u, rows, mask_d, B, r, r_run, 0.0,
-                    B_PAD, BLOCK_D, BLOCK_K, False, PDL, STAGES, PREFETCH)  # (B_PAD, BLOCK_D) fp32, dims d
+                    B_PAD, BLOCK_D, BLOCK_K, False, PDL, STAGES)  # (B_PAD, BLOCK_D) fp32, dims d
     y2 = _gemv_tile(t_ptr + t_off, stride_t, U_ptr, stride_u, rows + HALF, mask_d, B, r, r_run, 0.0,
-                    B_PAD, BLOCK_D, BLOCK_K, False, False, STAGES, PREFETCH)  # (B_PAD, BLOCK_D) fp32, dims d + HALF
+                    B_PAD, BLOCK_D, BLOCK_K, False, False, STAGES)  # (B_PAD, BLOCK_D) fp32, dims d + HALF
 
     offs_b = tl.arange(0, B_PAD)
     mask_b = offs_b < B
@@ -89,7 +89,7 @@ def qkv_rope(x: torch.Tensor, Vqkv: torch.Tensor, Uq: torch.Tensor, Uk: torch.Te
              cache_seqlens: torch.Tensor, *, q_out: torch.Tensor | None = None,
              t: torch.Tensor | None = None, norm_eps: float | None = None, keep: torch.Tensor | None = None,
              klive: torch.Tensor | None = None, pdl: bool = False, grid_cap: int = 0, stages: int = 0,
-             prefetch: bool = False, split: int = 1) -> torch.Tensor:
+             split: int = 1) -> torch.Tensor:
     """q of the current token, with k and v appended to the cache; all projections low-rank.
 
     x: (B, hidden) already RMS-normed, bf16 (GPU) or fp32. Vqkv: (rq + rk + rv, hidden), the q, k, v input
@@ -101,9 +101,9 @@ def qkv_rope(x: torch.Tensor, Vqkv: torch.Tensor, Uq: torch.Tensor, Uk: torch.Te
     norm_eps: x is the raw residual stream; RMS-normalize it inside the first GEMV (the norm weight folded into
     Vqkv's columns by the caller). keep: optional (B, rq + rk + rv) 0/1 mask of each row's rank components
     (PARSE). klive: optional int32 (3,) device tensor, components in use of q, k, v (PARSE slots: each
-    projection reads only its first klive[i] components, rounded up to 16; ranks must be multiples of 16). pdl: programmatic dependent launch (Hopper+). grid_cap: program cap of the first GEMV; stages: pipeline depth
-    (see gemv). prefetch: L2 prefetch of each program's rows before the wait (B = 1, GPU; see gemv).
-    split: split-K of the first GEMV (see gemv; a given t must then hold fp32 zeros).
+    projection reads only its first klive[i] components, rounded up to 16; ranks must be multiples of 16).
+    pdl: programmatic dependent launch (Hopper+). grid_cap: program cap of the first GEMV; stages: pipeline depth
+    (see gemv). split: split-K of the first GEMV (see gemv; a given t must then hold fp32 zeros).
     Returns q (B, H, D), RoPE applied. Two launches, no host sync.
     """
     B = x.shape[0]
@@ -120,7 +120,7 @@ def qkv_rope(x: torch.Tensor, Vqkv: torch.Tensor, Uq: torch.Tensor, Uk: torch.Te
     if q_out is None:
         q_out = torch.empty(B, H, D, device=x.device, dtype=x.dtype)
     gemv(x, Vqkv, out=t, norm_eps=norm_eps, keep=keep, pdl=pdl, grid_cap=grid_cap, stages=stages,
-         prefetch=prefetch, split=split)  # (B, rq + rk + rv) fp32
+         split=split)  # (B, rq + rk + rv) fp32
     HALF = D // 2
     BLOCK_N, BLOCK_K, num_warps, num_stages = gemv_config(B, (H + 2 * HKV) * D, x.is_cuda)
     num_stages = stages or num_stages
@@ -131,7 +131,7 @@ def qkv_rope(x: torch.Tensor, Vqkv: torch.Tensor, Uq: torch.Tensor, Uk: torch.Te
         q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=H, HKV=HKV, HALF=HALF, B_PAD=pad_rows(B), BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K, LIVE=klive is not None, PDL=pdl,
-        STAGES=num_stages if B == 1 else 1, PREFETCH=prefetch_lines(B, max(rq, rk, rv), BLOCK_K, Uq, prefetch),
+        STAGES=num_stages if B == 1 else 1,
         num_warps=num_warps, num_stages=num_stages, **launch_opts(pdl))
     return q_out
 

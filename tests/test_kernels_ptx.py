@@ -1,8 +1,8 @@
 """What the decode GEMV compiles to on Hopper, checked offline: triton compiles `_gemv_kernel` for sm90 on this
 CPU-only machine (PTX, then ptxas to a cubin), and the PTX is searched for the instructions the design relies on.
 
-- L2 prefetch (`DecodeConfig.l2_prefetch`): the `prefetch.global.L2` lines are issued before `griddepcontrol.wait`,
-  i.e. while the previous kernel still runs under programmatic dependent launch; off, none are emitted.
+- Programmatic dependent launch: the first weight tile is loaded before `griddepcontrol.wait`, i.e. while the
+  previous kernel still runs (weights never depend on it), also with PARSE keep masks (read before the wait too).
 - 16-divisible row lengths and strides keep the weight loads vectorized (the reason ranks are padded to 16 on
   the GPU, workers/align.py): every global load of the B = 1 kernel is a vector load.
 
@@ -23,7 +23,7 @@ INTS = ("B", "N", "K", "stride_x", "stride_w", "stride_y", "stride_keep")
 ALIGNED = ("x_ptr", "w_ptr", "y_ptr", "keep_ptr", "klive_ptr", "K", "stride_w")  # 16-divisible, as on the GPU
 
 
-def compile_ptx(prefetch: int, keep: bool, pdl: bool) -> str:
+def compile_ptx(keep: bool, pdl: bool) -> str:
     """PTX of `_gemv_kernel` at B = 1 for sm90 (needs real JIT functions: run without TRITON_INTERPRET)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -32,7 +32,7 @@ def compile_ptx(prefetch: int, keep: bool, pdl: bool) -> str:
     from rankserve.kernels.lowrank_linear import _gemv_kernel
     names = list(inspect.signature(_gemv_kernel.fn).parameters)
     consts = dict(B_PAD=1, BLOCK_N=4, BLOCK_K=1024, NORM=False, RESIDUAL=False, KEEP=keep, LIVE=False, PDL=pdl,
-                  STAGES=2, PREFETCH=prefetch, SPLIT=1)
+                  STAGES=2, SPLIT=1)
     sig = {n: POINTERS.get(n, "i32" if n in INTS else "fp32") for n in names if n not in consts}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED}
     k = triton.compile(ASTSource(_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -40,32 +40,27 @@ def compile_ptx(prefetch: int, keep: bool, pdl: bool) -> str:
     return k.asm["ptx"]
 
 
-def _ptx(prefetch: int, keep: bool = False, pdl: bool = True) -> str:
+def _ptx(keep: bool = False, pdl: bool = True) -> str:
     """compile_ptx in a fresh interpreter: the test session runs the kernels under TRITON_INTERPRET=1."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_kernels_ptx as t; "
-            f"print(json.dumps(t.compile_ptx({prefetch}, {keep}, {pdl})))")
+            f"print(json.dumps(t.compile_ptx({keep}, {pdl})))")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, f"offline sm90 compile failed:\n{run.stderr[-3000:]}"
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("keep", [False, True])
-def test_l2_prefetch_is_issued_before_the_dependency_wait(keep):
-    lines = _ptx(prefetch=64, keep=keep).splitlines()
-    pre = [i for i, l in enumerate(lines) if "prefetch.global.L2" in l]
+def test_first_weight_tile_is_loaded_before_the_dependency_wait(keep):
+    lines = _ptx(keep=keep).splitlines()
     wait = [i for i, l in enumerate(lines) if "griddepcontrol.wait" in l]
-    # 4 rows x 64 lines over 128 threads: two prefetches a thread
-    assert len(pre) == 2 and wait, f"expected 2 prefetches and a wait, got {len(pre)} / {len(wait)}"
-    assert max(pre) < min(wait[-1:]), "the L2 prefetch must come before griddepcontrol.wait"
-
-
-def test_no_prefetch_when_off():
-    assert "prefetch.global" not in _ptx(prefetch=0)
+    # weights stream with evict_first; 4 rows x 1024 bf16 over 128 threads: four 16-byte loads a thread
+    early = [l for l in lines[:min(wait)] if "ld.global" in l and "evict_first" in l] if wait else []
+    assert wait and len(early) == 4, f"expected the 4 weight-tile loads before the wait, got {len(early)}"
 
 
 def test_weight_loads_are_vectorized_with_16_divisible_rows():
-    ptx = _ptx(prefetch=0, pdl=False)
+    ptx = _ptx(pdl=False)
     loads = [l for l in ptx.splitlines() if "ld.global" in l]
     scalar = [l for l in loads if ".v2" not in l and ".v4" not in l]
     assert loads and not scalar, f"{len(scalar)} of {len(loads)} global loads are scalar"

@@ -52,9 +52,6 @@ class DecodeConfig:
     # winner for the whole step: 2 at B = 1 (3.259 vs 3.458 ms/token on the H200, same run,
     # bench/results/decode-h200-stages.json), the kernels' default at B > 1
     gemv_stages: int | None = None
-    # Triton GEMVs at B = 1 on the GPU: before waiting on the previous kernel (PDL), each program asks L2 for its
-    # whole block of weight rows, not only the first tile (kernels/lowrank_linear.py _l2_prefetch)
-    l2_prefetch: bool = False
     # Triton GEMVs at B > 1: split the V stages' reduction over several programs per block of rows (partial sums
     # added with atomics into fp32 scratch that the step zeroes once), so few-row matrices fill the GPU. None =
     # enough for one program per SM over the rows in use (kernels/lowrank_linear.py split_k; two per SM measured
@@ -195,7 +192,6 @@ class FastDecoder:
             sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
             self.grid_cap = dcfg.persistent * sms
             self.stages = dcfg.stages()  # GEMV pipeline depth, resolved once
-            self.prefetch = dcfg.l2_prefetch and B == 1 and dev.type == "cuda"
         if packed is not None and any(l.folded != (self.fuse and l.factorized) for l in packed):
             raise ValueError("the packed layers were built for another fuse_norm setting")
         self.layers = packed or [_Layer(blk, cfg, fold=self.fuse) for blk in model.layers]  # may be shared
@@ -333,7 +329,7 @@ class FastDecoder:
     def _layer_fused(self, i: int) -> None:
         """Ten kernels: norms inside the V GEMVs, residual adds in the o/down epilogues; x is the residual stream."""
         L, B, eps, pdl, cap = self.layers[i], self.dcfg.batch_size, self.cfg.rms_norm_eps, self.pdl, self.grid_cap
-        opts = dict(pdl=pdl, grid_cap=cap, stages=self.stages, prefetch=self.prefetch)
+        opts = dict(pdl=pdl, grid_cap=cap, stages=self.stages)
         kc, vc = self.cache.k[i], self.cache.v[i]  # (B, S_max, H_kv, D)
         k = self._k
         t, n = self._tv(i, "qkv", sum(L.qkv_split))
@@ -365,7 +361,7 @@ class FastDecoder:
             t, n = self._tv(i, "qkv", sum(L.qkv_split))
             self._k["qkv"].qkv_rope(self.h, L.Vqkv, L.Uq, L.Uk, L.Uv, self.cos, self.sin, kc, vc, seqlens,
                                     q_out=self.q, t=t, keep=L.keep_qkv, klive=L.klive(0, 3), stages=self.stages,
-                                    prefetch=self.prefetch, split=n)
+                                    split=n)
         else:
             self._qkv_torch(L, kc, vc, seqlens)
         if self.use_triton:
@@ -379,7 +375,7 @@ class FastDecoder:
         if fused:
             t, n = self._tv(i, "gu", sum(L.gu_split))
             self._k["gu"].gate_up(self.h, L.Vgu, L.Ug, L.Uu, out=self.m, t=t, keep=L.keep_gu, klive=L.klive(4, 6),
-                                  stages=self.stages, prefetch=self.prefetch, split=n)
+                                  stages=self.stages, split=n)
         else:
             if hasattr(L, "Vgu"):
                 tg, tu = _masked(self.h @ L.Vgu.t(), L.keep_gu).split(L.gu_split, dim=-1)
@@ -396,7 +392,7 @@ class FastDecoder:
         if fused:
             t, n = self._tv(i, p, lin.rank)
             self._k["ll"].lowrank_linear(x, lin.V, lin.U, out=out, t=t, keep=keep, klive=klive, stages=self.stages,
-                                         prefetch=self.prefetch, split=n)
+                                         split=n)
         elif lin.factorized:
             torch.mm(_masked(x @ lin.V.t(), keep), lin.U.t(), out=out)  # cuBLAS, rank vector in the activation dtype
         else:
