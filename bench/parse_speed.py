@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                       perm={})
     res = dict(env=dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke test)", torch=torch.__version__, triton=triton.__version__,
                         cuda=torch.version.cuda, copy_bw=bw, weights="random, bf16", date=time.strftime("%Y-%m-%d")),
-               setup=dict(preset=args.preset, keep=args.keep, split_k=args.split_k or None, pdl=args.pdl, pool_factor=args.pool_factor, prompt=args.prompt,
+               setup=dict(preset=args.preset, keep=args.keep, split_k=args.split_k or None, pdl=args.pdl,
+                          pool_factor=args.pool_factor, prompt=args.prompt,
                           static_weight_bytes=weight_bytes_read(static), pool_weight_bytes=weight_bytes_read(pool)),
                batches=[], argv=argv)
     out = Path(args.out)
