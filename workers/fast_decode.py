@@ -189,8 +189,8 @@ class FastDecoder:
                 raise ValueError("pdl='on' needs a Hopper-or-newer GPU and a triton with griddepcontrol")
             self.pdl = dcfg.pdl == "on" or (dcfg.pdl == "auto" and B == 1 and _ll.pdl_supported(dev))
             self.num_splits = dcfg.num_splits or _attn.default_num_splits(dcfg.max_seq_len, B, cfg.num_key_value_heads)
-            sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
-            self.grid_cap = dcfg.persistent * sms
+            self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+            self.grid_cap = dcfg.persistent * self.sms
             self.stages = dcfg.stages()  # GEMV pipeline depth, resolved once
         if packed is not None and any(l.folded != (self.fuse and l.factorized) for l in packed):
             raise ValueError("the packed layers were built for another fuse_norm setting")
@@ -233,8 +233,7 @@ class FastDecoder:
         self.tz: torch.Tensor | None = None
         if not (self.use_triton and self.gemv == "triton" and B > 1 and self.dcfg.split_k != 1):
             return
-        from rankserve.kernels.lowrank_linear import split_k
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+        split_k = self._k["ll"].split_k
         cols_max = 0
         for i, L in enumerate(self.layers):
             if not L.factorized:
@@ -244,7 +243,8 @@ class FastDecoder:
                       ("gu", sum(L.gu_split), cfg.hidden_size, L.folded), ("down", d.rank, d.in_features, False))
             cols = 0
             for group, N, K, normed in stages:
-                n = self.dcfg.split_k or split_k(B, N, K, dev.type == "cuda", sms, 1, L.rows_in_use.get(group, 0))
+                live = L.rows_in_use.get(group, 0)
+                n = self.dcfg.split_k or split_k(B, N, K, dev.type == "cuda", self.sms, 1, live)
                 if n > 1 and not normed and K % 16 == 0:
                     self.splits[i][group] = (n, cols)
                     cols += N
