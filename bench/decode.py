@@ -48,7 +48,14 @@ EXTRA_ROWS = {"fusedattn": dict(attn_merge="fused"), "persist4": dict(persistent
               "fusedattn-persist4": dict(attn_merge="fused", persistent=4),
               "stages2": dict(gemv_stages=2), "stages3": dict(gemv_stages=3), "stages4": dict(gemv_stages=4),
               "nosplit": dict(split_k=1), "split2": dict(split_k=2),
-              "pdl": dict(pdl="on"), "fused": dict(fuse_norm=True), "pdl-fused": dict(pdl="on", fuse_norm=True)}
+              "pdl": dict(pdl="on"), "fused": dict(fuse_norm=True), "pdl-fused": dict(pdl="on", fuse_norm=True),
+              # the one-launch step (kernels/step_kernel.py): StepKernelConfig fields (programs per SM, V rows, V width,
+              # U rows, U width, warps, register cap)
+              "onelaunch": dict(one_launch=True),
+              "onelaunch-w8": dict(one_launch=True, one_launch_tiles=(2, 2, 4096, 4, 2048, 8, 0)),
+              "onelaunch-v4k2048": dict(one_launch=True, one_launch_tiles=(2, 4, 2048, 8, 1024, 4, 0)),
+              "onelaunch-v1u2": dict(one_launch=True, one_launch_tiles=(2, 1, 4096, 2, 2048, 4, 0)),
+              "onelaunch-p4r128": dict(one_launch=True, one_launch_tiles=(4, 1, 4096, 2, 2048, 4, 128))}
 DTYPES = {"cuda": torch.bfloat16, "cpu": torch.float32}  # the CPU run is a smoke test of this script, not a figure
 
 

@@ -34,6 +34,36 @@ except ImportError:
 
 
 @triton.jit
+def attend(q, k_base, v_base, stride_ks, stride_vs, start, end, offs_d, mask_d, qk_scale,
+           BLOCK_H: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Online softmax of q (BLOCK_H, D_PAD) over keys [start, end) of one kv head (k_base, v_base: its key 0);
+    -> (o (BLOCK_H, D_PAD) fp32 normalized, lse (BLOCK_H,) log2-sum-exp, -inf for an empty range)."""
+    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, D_PAD), dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        kT = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None],
+                     mask=mask_d[:, None] & mask_n[None, :], other=0.0)  # (D_PAD, BLOCK_N)
+        s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale  # (BLOCK_H, BLOCK_N), log2 units
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile holds >= 1 valid key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_N, D_PAD)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    nonempty = l_i > 0.0  # False for an empty split
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))  # (BLOCK_H,)
+    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    return o, lse
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_seqlens_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
                          stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                          stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
@@ -60,30 +90,10 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_seqlens_ptr, mid_o_ptr, mid_
     q = tl.load(q_ptr + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_H, D_PAD)
 
-    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, D_PAD), dtype=tl.float32)
     k_base = k_ptr + b * stride_kb + hk * stride_kh
     v_base = v_ptr + b * stride_vb + hk * stride_vh
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        kT = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None],
-                     mask=mask_d[:, None] & mask_n[None, :], other=0.0)  # (D_PAD, BLOCK_N)
-        s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale  # (BLOCK_H, BLOCK_N), log2 units
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile holds >= 1 valid key
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_N, D_PAD)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
-
-    nonempty = l_i > 0.0  # False for an empty split
-    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))  # (BLOCK_H,)
-    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    o, lse = attend(q, k_base, v_base, stride_ks, stride_vs, start, end, offs_d, mask_d, qk_scale,
+                    BLOCK_H, D_PAD, BLOCK_N, DOT_PREC)
     if NUM_SPLITS == 1:  # the only split holds every key: its normalized output is the answer (no merge)
         tl.store(out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
@@ -118,6 +128,19 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_seqlens_ptr, mid_o_ptr, mid_
 
 
 @triton.jit
+def merge_splits(o_ptr, lse_ptr, stride_s, offs_d, mask_d, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """One head's output from its splits' partials o (NUM_SPLITS rows stride_s apart) and lse (contiguous):
+    sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m) -> (D_PAD,) fp32. Split 0 is never empty."""
+    offs_s = tl.arange(0, SPLITS_PAD)
+    mask_s = offs_s < NUM_SPLITS
+    lse = tl.load(lse_ptr + offs_s, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
+    w = tl.exp2(lse - tl.max(lse, axis=0))  # (SPLITS_PAD,), 0 for empty splits
+    o = tl.load(o_ptr + offs_s[:, None] * stride_s + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :],
+                other=0.0, cache_modifier=".cg")  # (SPLITS_PAD, D_PAD)
+    return tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+
+
+@triton.jit
 def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
                          stride_ob, stride_oh, D: tl.constexpr, D_PAD: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
@@ -127,16 +150,10 @@ def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_mb, stride_mh, 
         gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    mask_s = offs_s < NUM_SPLITS
     offs_d = tl.arange(0, D_PAD)
-    mask_d = offs_d < D
-    lse = tl.load(mid_lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, axis=0))  # (SPLITS_PAD,), 0 for empty splits; split 0 is never empty
-    o = tl.load(mid_o_ptr + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
-                mask=mask_s[:, None] & mask_d[None, :], other=0.0)  # (SPLITS_PAD, D_PAD)
-    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=mask_d)
+    out = merge_splits(mid_o_ptr + b * stride_mb + h * stride_mh, mid_lse_ptr + b * stride_lb + h * stride_lh,
+                       stride_ms, offs_d, offs_d < D, NUM_SPLITS, SPLITS_PAD)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < D)
 
 
 def default_num_splits(S_max: int, B: int, H_kv: int, num_sms: int = 132) -> int:

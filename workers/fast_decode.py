@@ -58,8 +58,16 @@ class DecodeConfig:
     # slower, decode.md); n > 1 = n for every V stage; 1 = off.
     # Stages with a fused RMSNorm never split (the norm needs the whole row).
     split_k: int | None = None
+    # B = 1: the whole step in one persistent launch (kernels/step_kernel.py: stages ordered by atomic counters
+    # on the device instead of kernel boundaries); needs every layer factorized and fused norms
+    one_launch: bool = False
+    # its StepKernelConfig: (programs per SM, V-stage rows an item, V tile width, U-stage rows an item, U tile
+    # width, warps a program, register cap (0 = none))
+    one_launch_tiles: tuple[int, ...] = (2, 2, 4096, 4, 2048, 4, 0)
 
     def __post_init__(self) -> None:
+        if self.one_launch and (self.batch_size != 1 or self.backend != "triton" or self.fuse_norm is False):
+            raise ValueError("one_launch runs B = 1 on the triton backend with fused norms")
         if self.attn_merge not in ("separate", "fused"):
             raise ValueError(f"attn_merge must be 'separate' or 'fused', got {self.attn_merge!r}")
         if self.gemv_stages is not None and self.gemv_stages < 0:
@@ -224,6 +232,16 @@ class FastDecoder:
             self.attn_counter = z(B, Hkv, dtype=torch.int32) if dcfg.attn_merge == "fused" else None
         self._plan_splits(dev)
         self._graphs: list[torch.cuda.CUDAGraph] | None = None
+        self.step_kernel = None
+        if dcfg.one_launch:
+            from rankserve.kernels import step_kernel as _sk
+            if not all(l.folded for l in self.layers):
+                raise ValueError("one_launch needs every layer factorized (fused norms); this model has dense layers")
+            bufs = dict(x=self.x, t=self.t, q=self.q, a=self.a, m=self.m, logits=self.logits, k_cache=self.cache.k,
+                        v_cache=self.cache.v, seqlens=self.cache.seqlens, cos=self.cos, sin=self.sin,
+                        mid_o=self.mid_o, mid_lse=self.mid_lse)
+            self.step_kernel = _sk.StepKernel(self.layers, self.head_n, bufs, cfg, self.num_splits,
+                                              _sk.StepKernelConfig(*dcfg.one_launch_tiles))
 
     def _plan_splits(self, dev: torch.device) -> None:
         """Split-K plan of the V stages at B > 1: self.splits[i][group] = (programs per row block, first column of
@@ -283,6 +301,13 @@ class FastDecoder:
         return self.logits
 
     def _step_body(self) -> None:
+        if self.step_kernel is not None:
+            if any(l.live is not None or l.keep_qkv is not None for l in self.layers):
+                raise ValueError("one_launch does not take PARSE masks; use the per-kernel step")
+            self._embed()
+            self.step_kernel.run()
+            self.cache.seqlens += 1
+            return
         self._embed()
         self._pending = False  # True while the last sub-layer's output sits in self.y, not yet added to x
         for i in range(len(self.layers)):
