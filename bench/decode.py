@@ -48,14 +48,7 @@ EXTRA_ROWS = {"fusedattn": dict(attn_merge="fused"), "persist4": dict(persistent
               "fusedattn-persist4": dict(attn_merge="fused", persistent=4),
               "stages2": dict(gemv_stages=2), "stages3": dict(gemv_stages=3), "stages4": dict(gemv_stages=4),
               "nosplit": dict(split_k=1), "split2": dict(split_k=2),
-              "pdl": dict(pdl="on"), "fused": dict(fuse_norm=True), "pdl-fused": dict(pdl="on", fuse_norm=True),
-              # the one-launch step (kernels/step_kernel.py): StepKernelConfig fields (programs per SM, V rows, V width,
-              # U rows, U width, warps, register cap)
-              "onelaunch": dict(one_launch=True),
-              "onelaunch-w8": dict(one_launch=True, one_launch_tiles=(2, 2, 4096, 4, 2048, 8, 0)),
-              "onelaunch-v4k2048": dict(one_launch=True, one_launch_tiles=(2, 4, 2048, 8, 1024, 4, 0)),
-              "onelaunch-v1u2": dict(one_launch=True, one_launch_tiles=(2, 1, 4096, 2, 2048, 4, 0)),
-              "onelaunch-p4r128": dict(one_launch=True, one_launch_tiles=(4, 1, 4096, 2, 2048, 4, 128))}
+              "pdl": dict(pdl="on"), "fused": dict(fuse_norm=True), "pdl-fused": dict(pdl="on", fuse_norm=True)}
 DTYPES = {"cuda": torch.bfloat16, "cpu": torch.float32}  # the CPU run is a smoke test of this script, not a figure
 
 
@@ -303,13 +296,16 @@ def mark_static(dec: FastDecoder) -> None:
 
 
 def time_fast(dec: FastDecoder, P: int, n_tokens: int, repeats: int, compiled=None) -> list[float]:
+    """Greedy decoding: each step takes the argmax of the last logits (inside the step with greedy=True)."""
     cfg, B = dec.cfg, dec.dcfg.batch_size
     prompt = torch.randint(0, cfg.vocab_size, (B, P), device=dec.tokens.device)
     with torch.inference_mode():
         logits = dec.prefill(prompt)
         dec.tokens.copy_(logits.argmax(-1))
 
-        if compiled is None:
+        if dec.dcfg.greedy:
+            step = dec.step_greedy
+        elif compiled is None:
             def step():
                 dec.step(dec.logits.argmax(-1))
         else:
@@ -334,9 +330,8 @@ def greedy_match(model: Transformer, dec: FastDecoder, P: int, n: int) -> dict:
             eager.append(lg.argmax(-1))
             lg = model(eager[-1][:, None], cache, last_only=True)
         lg = dec.prefill(prompt)
-        max_err = 0.0
-        for s in range(n):
-            fast.append(lg.argmax(-1))
+        for s in range(n):  # greedy decoders: the token the step itself chose (its in-graph argmax)
+            fast.append(dec.tokens.clone() if dec.dcfg.greedy and s else lg.argmax(-1))
             lg = dec.step(eager[s]).clone()  # teacher-forced on eager tokens so the logits stay comparable
         e, f = torch.stack(eager, 1).cpu(), torch.stack(fast, 1).cpu()
     same = (e == f)
@@ -411,6 +406,15 @@ def run_case(res: dict, cfg, family, keep, P, B, args, bw, dense_cache) -> None:
         add("ours-torch-graph", lambda: time_fast(make_decoder(model, B, S, "torch", "step"), P, n, reps))
     add("ours-graph-step-triton", lambda: time_fast(make_decoder(model, B, S, "triton", "step"), P, n, reps),
         gemv="triton")
+    add("ours-step-greedy", lambda: time_fast(make_decoder(model, B, S, "triton", "step", greedy=True), P, n, reps),
+        gemv="triton", note="argmax inside the step's graph")
+    if B == 1 and P == args.prompts[0]:
+        try:
+            case["greedy_check_greedy"] = greedy_match(model, make_decoder(model, B, P + 65, "triton", "step",
+                                                                           greedy=True), P, 64)
+            print(f"  greedy check (in-graph argmax): {case['greedy_check_greedy']}", flush=True)
+        except Exception as e:
+            case["greedy_check_greedy"] = dict(error=f"{type(e).__name__}: {e}")
     add("ours-step-nopdl", lambda: time_fast(make_decoder(model, B, S, "triton", "step", pdl="off"), P, n, reps))
     add("ours-step-unfused", lambda: time_fast(make_decoder(model, B, S, "triton", "step", pdl="off",
                                                             fuse_norm=False), P, n, reps))

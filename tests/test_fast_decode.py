@@ -152,36 +152,26 @@ def test_split_k_v_stages_match_eager(fuse):
         DecodeConfig(split_k=0)
 
 
-@pytest.mark.parametrize("kind,splits", [("uneven", 1), ("shared", 3)])
-def test_one_launch_step_matches_eager(kind, splits):
-    """one_launch=True (the whole B = 1 step in one persistent kernel, stages ordered by device counters) gives the
-    eager logits step after step; with several attention splits (some empty) the merge stage runs too."""
-    model = _model(kind)
-    prompt = torch.randint(0, CFG.vocab_size, (1, 6))
-    steps = [torch.randint(0, CFG.vocab_size, (1,)) for _ in range(3)]
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_step_greedy_feeds_its_own_argmax(backend):
+    """greedy=True: step_greedy() runs on the previous step's argmax (taken inside the step) and gives the eager
+    runtime's greedy tokens; step(tokens) still takes explicit tokens and leaves the argmax of its logits."""
+    model = _model("uneven")
+    B, P, n = 2, 5, 6
+    prompt = torch.randint(0, CFG.vocab_size, (B, P))
     with torch.no_grad():
-        ref = _eager_logits(model, prompt, steps)
-        dec = FastDecoder(model, DecodeConfig(batch_size=1, max_seq_len=40, graph="none", num_splits=splits,
-                                              one_launch=True))
-        got = [dec.prefill(prompt)] + [dec.step(t).clone() for t in steps]
-    _assert_steps_close(got, ref)
-    # the interpreter runs one program (programs run one after the other there, and a program waits on others'
-    # items); it took rank 0 and counted every stage's items done; the merge slots run only with several splits
-    ctr = dec.step_kernel.ctr.view(-1, 32)[:, 0].tolist()  # counters a 128-byte line apart
-    assert dec.step_kernel.grid == (1,) and ctr[0] == 1
-    H, Hkv, D = CFG.num_attention_heads, CFG.num_key_value_heads, CFG.head_dim
-    L0 = dec.layers[0]
-    v = lambda rows: -(-rows // 16)  # noqa: E731  (on CPU, 16 rows a V-stage item,
-    u = lambda rows: -(-rows // 8)  # noqa: E731  and D / 2 = 8 a U-stage item)
-    first = [v(sum(L0.qkv_split)), H + 2 * Hkv, Hkv * splits, H if splits > 1 else 0, v(L0.proj["o"].rank),
-             u(CFG.hidden_size), v(sum(L0.gu_split)), u(CFG.intermediate_size), v(L0.proj["down"].rank),
-             u(CFG.hidden_size)]
-    assert ctr[1:11] == first
-    assert ctr[-1] == v(CFG.vocab_size)  # the head
-
-
-def test_one_launch_refuses_what_it_cannot_run():
-    with pytest.raises(ValueError, match="one_launch runs B = 1"):
-        DecodeConfig(batch_size=2, one_launch=True)
-    with pytest.raises(ValueError, match="dense layers"):
-        FastDecoder(_model("mixed"), DecodeConfig(batch_size=1, max_seq_len=40, graph="none", one_launch=True))
+        cache = KVCache(CFG.num_hidden_layers, B, 40, CFG.num_key_value_heads, CFG.head_dim)
+        lg = model(prompt, cache, last_only=True)
+        eager = []
+        for _ in range(n):
+            eager.append(lg.argmax(-1))
+            lg = model(eager[-1][:, None], cache, last_only=True)
+        dec = FastDecoder(model, DecodeConfig(batch_size=B, max_seq_len=40, backend=backend, graph="none",
+                                              greedy=True))
+        dec.tokens.copy_(dec.prefill(prompt).argmax(-1))
+        fast = [dec.tokens.clone()] + [dec.step_greedy().clone() for _ in range(n - 1)]
+        assert torch.equal(torch.stack(fast), torch.stack(eager))
+        logits = dec.step(torch.tensor([3, 4]))
+        assert dec.tokens.tolist() == logits.argmax(-1).tolist()
+    with pytest.raises(ValueError, match="greedy=True"):
+        FastDecoder(model, DecodeConfig(batch_size=B, max_seq_len=40, graph="none")).step_greedy()

@@ -171,7 +171,7 @@ class Engine:
             self._slots[(B, S)].load(subsets)
             return self._slots[(B, S)].decoder
         if (B, S) not in self._decoders:
-            dcfg = DecodeConfig(batch_size=B, max_seq_len=S, backend=mode, graph=graph)
+            dcfg = DecodeConfig(batch_size=B, max_seq_len=S, backend=mode, graph=graph, greedy=True)
             self._decoders[(B, S)] = FastDecoder(self.model, dcfg, packed=self._packed.get(dcfg.fused()))
             self._packed[dcfg.fused()] = self._decoders[(B, S)].layers  # decoders of one layout share one copy
         return self._decoders[(B, S)]
@@ -230,13 +230,17 @@ class Engine:
             logits = self.model(tokens.to(self.device), cache, lengths, last_only=True)  # (B, V)
         pos = list(lens)
         n_steps = 0  # tokens generated per row so far (PARSE re-routing)
+        chosen = None  # greedy rows after a fast-path step: the argmax the step took on the device (one sync)
         while True:
             step = []
             for b, r in enumerate(rows):
                 if r.finish is not None:
                     step.append((-1, ""))
                     continue
-                t = sample(logits[b], r.params, r.gen)
+                if chosen is not None and r.params.temperature == 0:
+                    t = chosen[b]
+                else:
+                    t = sample(logits[b], r.params, r.gen)
                 step.append((t, r.push(t, self.tokenizer)))
                 pos[b] += 1
                 if r.finish is None and pos[b] >= S_max:  # out of context
@@ -247,6 +251,8 @@ class Engine:
             nxt = torch.tensor([[max(t, 0)] for t, _ in step], dtype=torch.long, device=self.device)
             if dec is not None:  # static shapes: every row steps (a finished row's tokens are ignored)
                 logits = dec.step(nxt[:, 0])
+                if dec.dcfg.greedy and any(r.finish is None and r.params.temperature == 0 for r in rows):
+                    chosen = dec.tokens.tolist()
                 continue
             n_steps += 1
             if self.reroute_every and self.routers is not None and n_steps % self.reroute_every == 0:

@@ -58,16 +58,11 @@ class DecodeConfig:
     # slower, decode.md); n > 1 = n for every V stage; 1 = off.
     # Stages with a fused RMSNorm never split (the norm needs the whole row).
     split_k: int | None = None
-    # B = 1: the whole step in one persistent launch (kernels/step_kernel.py: stages ordered by atomic counters
-    # on the device instead of kernel boundaries); needs every layer factorized and fused norms
-    one_launch: bool = False
-    # its StepKernelConfig: (programs per SM, V-stage rows an item, V tile width, U-stage rows an item, U tile
-    # width, warps a program, register cap (0 = none))
-    one_launch_tiles: tuple[int, ...] = (2, 2, 4096, 4, 2048, 4, 0)
+    # end every step with the argmax of its logits, written into the next input token inside the graph
+    # (step_greedy: greedy decoding replays one graph a token and launches nothing else)
+    greedy: bool = False
 
     def __post_init__(self) -> None:
-        if self.one_launch and (self.batch_size != 1 or self.backend != "triton" or self.fuse_norm is False):
-            raise ValueError("one_launch runs B = 1 on the triton backend with fused norms")
         if self.attn_merge not in ("separate", "fused"):
             raise ValueError(f"attn_merge must be 'separate' or 'fused', got {self.attn_merge!r}")
         if self.gemv_stages is not None and self.gemv_stages < 0:
@@ -187,12 +182,13 @@ class FastDecoder:
         self.fuse = dcfg.fused()
         self.pdl = False
         if self.use_triton:  # imported lazily: the torch backend must work without triton
+            from rankserve.kernels import argmax as _argmax
             from rankserve.kernels import decode_attention as _attn
             from rankserve.kernels import gate_up as _gu
             from rankserve.kernels import lowrank_linear as _ll
             from rankserve.kernels import qkv_rope as _qkv
             from rankserve.kernels import rmsnorm as _rms
-            self._k = dict(attn=_attn, gu=_gu, ll=_ll, qkv=_qkv, rms=_rms)
+            self._k = dict(argmax=_argmax, attn=_attn, gu=_gu, ll=_ll, qkv=_qkv, rms=_rms)
             if dcfg.pdl == "on" and not _ll.pdl_supported(dev):
                 raise ValueError("pdl='on' needs a Hopper-or-newer GPU and a triton with griddepcontrol")
             self.pdl = dcfg.pdl == "on" or (dcfg.pdl == "auto" and B == 1 and _ll.pdl_supported(dev))
@@ -232,16 +228,6 @@ class FastDecoder:
             self.attn_counter = z(B, Hkv, dtype=torch.int32) if dcfg.attn_merge == "fused" else None
         self._plan_splits(dev)
         self._graphs: list[torch.cuda.CUDAGraph] | None = None
-        self.step_kernel = None
-        if dcfg.one_launch:
-            from rankserve.kernels import step_kernel as _sk
-            if not all(l.folded for l in self.layers):
-                raise ValueError("one_launch needs every layer factorized (fused norms); this model has dense layers")
-            bufs = dict(x=self.x, t=self.t, q=self.q, a=self.a, m=self.m, logits=self.logits, k_cache=self.cache.k,
-                        v_cache=self.cache.v, seqlens=self.cache.seqlens, cos=self.cos, sin=self.sin,
-                        mid_o=self.mid_o, mid_lse=self.mid_lse)
-            self.step_kernel = _sk.StepKernel(self.layers, self.head_n, bufs, cfg, self.num_splits,
-                                              _sk.StepKernelConfig(*dcfg.one_launch_tiles))
 
     def _plan_splits(self, dev: torch.device) -> None:
         """Split-K plan of the V stages at B > 1: self.splits[i][group] = (programs per row block, first column of
@@ -291,6 +277,20 @@ class FastDecoder:
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B,) -> logits (B, V) fp32 (a view of a static buffer: copy it to keep it)."""
         self.tokens.copy_(tokens, non_blocking=True)
+        self._run()
+        return self.logits
+
+    @torch.inference_mode()
+    def step_greedy(self) -> torch.Tensor:
+        """One step on the tokens in `self.tokens` (after the first, the previous step's argmax) -> the next
+        tokens (B,) int64 on the device, a view of that same buffer (copy it to keep it). Needs greedy=True.
+        Start after prefill with `dec.tokens.copy_(first_tokens)`; `dec.logits` holds the step's logits."""
+        if not self.dcfg.greedy:
+            raise ValueError("step_greedy needs DecodeConfig(greedy=True)")
+        self._run()
+        return self.tokens
+
+    def _run(self) -> None:
         if self.dcfg.graph == "none":
             self._step_body()
         else:
@@ -298,16 +298,8 @@ class FastDecoder:
                 self._capture()
             for g in self._graphs:
                 g.replay()
-        return self.logits
 
     def _step_body(self) -> None:
-        if self.step_kernel is not None:
-            if any(l.live is not None or l.keep_qkv is not None for l in self.layers):
-                raise ValueError("one_launch does not take PARSE masks; use the per-kernel step")
-            self._embed()
-            self.step_kernel.run()
-            self.cache.seqlens += 1
-            return
         self._embed()
         self._pending = False  # True while the last sub-layer's output sits in self.y, not yet added to x
         for i in range(len(self.layers)):
@@ -328,6 +320,11 @@ class FastDecoder:
                        residual=self.x if self._pending else None)
             self.logits.copy_(self.h @ self.head.t())  # (B, V)
         self.cache.seqlens += 1  # every row advanced by one token
+        if self.dcfg.greedy:  # the next input: argmax of the logits (the first maximum, as torch.argmax)
+            if self.use_triton:
+                self._k["argmax"].argmax_rows(self.logits, out=self.tokens)
+            else:
+                self.tokens.copy_(self.logits.argmax(-1))
 
     def _norm(self, x, w, out, residual) -> None:
         eps = self.cfg.rms_norm_eps
@@ -456,7 +453,7 @@ class FastDecoder:
     # --- CUDA graphs -----------------------------------------------------------------------------
     def _capture(self) -> None:
         """Warm up twice (Triton compiles and autotunes outside the graph), then capture."""
-        saved = self.cache.seqlens.clone()
+        saved, tokens = self.cache.seqlens.clone(), self.tokens.clone()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -464,6 +461,7 @@ class FastDecoder:
                 self._step_body()
         torch.cuda.current_stream().wait_stream(stream)
         self.cache.seqlens.copy_(saved)  # the warm-up steps wrote one scratch token each; rewind
+        self.tokens.copy_(tokens)  # and, greedy, chose next tokens: the first replay takes the caller's
         pool = torch.cuda.graph_pool_handle()
         self._pending = False  # per-layer capture walks the same sequence as _step_body
         parts = [self._step_body] if self.dcfg.graph == "step" else (
