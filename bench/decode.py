@@ -48,7 +48,9 @@ EXTRA_ROWS = {"fusedattn": dict(attn_merge="fused"), "persist4": dict(persistent
               "fusedattn-persist4": dict(attn_merge="fused", persistent=4),
               "stages2": dict(gemv_stages=2), "stages3": dict(gemv_stages=3), "stages4": dict(gemv_stages=4),
               "nosplit": dict(split_k=1), "split2": dict(split_k=2),
-              "pdl": dict(pdl="on"), "fused": dict(fuse_norm=True), "pdl-fused": dict(pdl="on", fuse_norm=True)}
+              "pdl": dict(pdl="on"), "fused": dict(fuse_norm=True), "pdl-fused": dict(pdl="on", fuse_norm=True),
+              # B = 1: the per-kernel step (the default there is the one-launch step, kernels/step_kernel.py)
+              "perkernel": dict(one_launch=False), "perkernel-greedy": dict(one_launch=False, greedy=True)}
 DTYPES = {"cuda": torch.bfloat16, "cpu": torch.float32}  # the CPU run is a smoke test of this script, not a figure
 
 
@@ -415,7 +417,8 @@ def run_case(res: dict, cfg, family, keep, P, B, args, bw, dense_cache) -> None:
             print(f"  greedy check (in-graph argmax): {case['greedy_check_greedy']}", flush=True)
         except Exception as e:
             case["greedy_check_greedy"] = dict(error=f"{type(e).__name__}: {e}")
-    add("ours-step-nopdl", lambda: time_fast(make_decoder(model, B, S, "triton", "step", pdl="off"), P, n, reps))
+    add("ours-step-nopdl", lambda: time_fast(make_decoder(model, B, S, "triton", "step", pdl="off", one_launch=False),
+                                             P, n, reps))
     add("ours-step-unfused", lambda: time_fast(make_decoder(model, B, S, "triton", "step", pdl="off",
                                                             fuse_norm=False), P, n, reps))
     if (first and (family, keep) == (args.families[0], args.keeps[0])) or "variants" not in args.skip:

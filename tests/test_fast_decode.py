@@ -175,3 +175,56 @@ def test_step_greedy_feeds_its_own_argmax(backend):
         assert dec.tokens.tolist() == logits.argmax(-1).tolist()
     with pytest.raises(ValueError, match="greedy=True"):
         FastDecoder(model, DecodeConfig(batch_size=B, max_seq_len=40, graph="none")).step_greedy()
+
+
+@pytest.mark.parametrize("kind,splits", [("uneven", 1), ("shared", 3)])
+def test_one_launch_step_matches_eager(kind, splits):
+    """one_launch=True (the whole B = 1 step in one persistent kernel, stages ordered by device counters) gives the
+    eager logits step after step; with several attention splits (some empty) the merge stage runs too."""
+    model = _model(kind)
+    prompt = torch.randint(0, CFG.vocab_size, (1, 6))
+    steps = [torch.randint(0, CFG.vocab_size, (1,)) for _ in range(3)]
+    with torch.no_grad():
+        ref = _eager_logits(model, prompt, steps)
+        dec = FastDecoder(model, DecodeConfig(batch_size=1, max_seq_len=40, graph="none", num_splits=splits,
+                                              one_launch=True))
+        got = [dec.prefill(prompt)] + [dec.step(t).clone() for t in steps]
+    _assert_steps_close(got, ref)
+    # the interpreter runs one program (programs run one after the other there, and a program waits on others'
+    # items); it took rank 0 and counted every stage's items done; the merge slots run only with several splits
+    ctr = dec.step_kernel.ctr.view(-1, 32)[:, 0].tolist()  # counters a 128-byte line apart
+    assert dec.step_kernel.grid == (1,) and ctr[0] == 1
+    H, Hkv, D = CFG.num_attention_heads, CFG.num_key_value_heads, CFG.head_dim
+    L0 = dec.layers[0]
+    v = lambda rows: -(-rows // 16)  # noqa: E731  (on CPU, 16 rows a V-stage item,
+    u = lambda rows: -(-rows // 8)  # noqa: E731  and D / 2 = 8 a U-stage item)
+    first = [v(sum(L0.qkv_split)), H + 2 * Hkv, Hkv * splits, H if splits > 1 else 0, v(L0.proj["o"].rank),
+             u(CFG.hidden_size), v(sum(L0.gu_split)), u(CFG.intermediate_size), v(L0.proj["down"].rank),
+             u(CFG.hidden_size)]
+    assert ctr[1:11] == first
+    assert ctr[-1] == v(CFG.vocab_size)  # the head
+
+
+def test_one_launch_refuses_what_it_cannot_run():
+    from rankserve.kernels.step_kernel import StepKernelConfig, check_aligned
+    with pytest.raises(ValueError, match="one_launch runs B = 1"):
+        DecodeConfig(batch_size=2, one_launch=True)
+    with pytest.raises(ValueError, match="one_launch runs B = 1"):
+        DecodeConfig(batch_size=1, one_launch=True, gemv="cublas")
+    with pytest.raises(ValueError, match="dense layers"):
+        FastDecoder(_model("mixed"), DecodeConfig(batch_size=1, max_seq_len=40, graph="none", one_launch=True))
+    # the default picks it only where it was measured: a Hopper GPU (never on CPU)
+    assert FastDecoder(_model("uneven"), DecodeConfig(batch_size=1, max_seq_len=40, graph="none")).step_kernel is None
+    # tiles narrow enough for L1-allocating copies (stale reads), odd prefetch counts, unpadded ranks, misalignment
+    with pytest.raises(ValueError, match="too narrow"):
+        StepKernelConfig(v_width=512, num_warps=4)
+    with pytest.raises(ValueError, match="too narrow"):
+        StepKernelConfig(u_width=512, num_warps=8)
+    with pytest.raises(ValueError, match="power of two"):
+        StepKernelConfig(prefetch=3)
+    w = torch.zeros(64, dtype=torch.bfloat16)
+    check_aligned([w], [16, 32])
+    with pytest.raises(ValueError, match="multiples of 16"):
+        check_aligned([w], [16, 24])
+    with pytest.raises(ValueError, match="32-byte aligned"):
+        check_aligned([w[1:]], [16])

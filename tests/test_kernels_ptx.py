@@ -64,3 +64,50 @@ def test_weight_loads_are_vectorized_with_16_divisible_rows():
     loads = [l for l in ptx.splitlines() if "ld.global" in l]
     scalar = [l for l in loads if ".v2" not in l and ".v4" not in l]
     assert loads and not scalar, f"{len(scalar)} of {len(loads)} global loads are scalar"
+
+
+STEP_POINTERS = {"w_ptr": "*bf16", "meta_ptr": "*i64", "head_ptr": "*bf16", "x_ptr": "*bf16", "t_ptr": "*fp32",
+                 "q_ptr": "*bf16", "a_ptr": "*bf16", "m_ptr": "*bf16", "logits_ptr": "*fp32", "kc_ptr": "*bf16",
+                 "vc_ptr": "*bf16", "seqlens_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+                 "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "ctr_ptr": "*i32"}
+STEP_INTS = ("L", "hidden", "inter", "vocab", "stride_kl", "stride_ks", "stride_kh")
+
+
+def compile_step_ptx() -> str:
+    """PTX of the one-launch step (kernels/step_kernel.py) for sm90 at the default StepKernelConfig and LLaMA-7B
+    heads; pointers and the 16-divisible sizes carry the alignment triton specializes them with on the GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from rankserve.kernels.step_kernel import StepKernelConfig, _step_kernel
+    k = StepKernelConfig()
+    names = list(inspect.signature(_step_kernel.fn).parameters)
+    consts = dict(H=32, HKV=32, HALF=64, D_PAD=128, NUM_SPLITS=1, SPLITS_PAD=1, BLOCK_H=16, ATT_BLOCK_N=64,
+                  DOT_PREC="tf32", BN_V=k.v_rows, BK_V=k.v_width, BN_U=k.u_rows, BK_U=k.u_width, STAGES=k.stages,
+                  PREFETCH=k.prefetch)
+    sig = {n: STEP_POINTERS.get(n, "i32" if n in STEP_INTS else "fp32") for n in names if n not in consts}
+    sig.update({n: "constexpr" for n in consts})
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in [*STEP_POINTERS, *STEP_INTS[1:]]}
+    kern = triton.compile(ASTSource(_step_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": k.num_warps, "num_stages": k.stages})
+    return kern.asm["ptx"]
+
+
+def test_one_launch_step_reads_activations_around_l1_with_vector_copies():
+    """The one-launch step: activations other programs of the launch wrote must never come through L1 (an
+    L1-allocating cp.async.ca read stale lines on the H200), weights stream as 16-byte copies, not scalar loads,
+    and each stage's first tiles are asked of L2 before the program waits on the previous stage."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_kernels_ptx as t; "
+            f"print(json.dumps(t.compile_step_ptx()))")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"offline sm90 compile failed:\n{run.stderr[-3000:]}"
+    lines = json.loads(run.stdout.strip().splitlines()[-1]).splitlines()
+    copies = [l for l in lines if "cp.async.c" in l and ".shared.global" in l]
+    assert copies and not [l for l in copies if "cp.async.ca" in l], "L1-allocating async copies in the step kernel"
+    assert all(" 0x10," in l for l in copies), "async copies narrower than 16 bytes"
+    scalar_weights = [l for l in lines if "ld.global" in l and "evict_first" in l and ".b16" in l and ".v" not in l]
+    assert not scalar_weights, f"{len(scalar_weights)} scalar 2-byte weight loads"
+    first_poll = next(i for i, l in enumerate(lines) if "ld.global.gpu.acquire" in l)
+    assert any("prefetch.global.L2" in l for l in lines[:first_poll]), "no L2 prefetch before the first stage wait"

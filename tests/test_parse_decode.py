@@ -61,12 +61,16 @@ def test_slots_match_masked_eager_pool(B, backend):
         cache = KVCache(CFG.num_hidden_layers, B, 32, CFG.num_key_value_heads, CFG.head_dim)
         ref = [pool(prompt, cache, last_only=True)] + [pool(t[:, None], cache, last_only=True) for t in steps]
         clear(pool)
-        slots = ParseSlots(pool, routers, DecodeConfig(batch_size=B, max_seq_len=32, backend=backend, graph="none"))
+        # B = 1 on the Triton backend: through the one-launch step (the slot is exactly the subset, no masks)
+        one = B == 1 and backend == "triton"
+        slots = ParseSlots(pool, routers, DecodeConfig(batch_size=B, max_seq_len=32, backend=backend, graph="none",
+                                                       one_launch=True if one else None))
         sizes = slots.load(subsets)
         got = [slots.decoder.prefill(prompt)] + [slots.decoder.step(t).clone() for t in steps]
     for n, size in sizes.items():
         assert size == len(set().union(*[s["k"][n] for s in subsets])) <= slots.widths[n]
     assert slots.masked == (B > 1)
+    assert (slots.decoder.step_kernel is not None) == one
     _assert_steps_close(got, ref)
 
 
@@ -201,3 +205,23 @@ def test_live_width_reads_only_the_union(backend, split):
         got = [slots.decoder.prefill(prompt)] + [slots.decoder.step(t).clone() for t in steps]
     assert slots.live_dev is not None and torch.equal(slots.live_dev.cpu(), slots.live)
     _assert_steps_close(got, ref)
+
+
+def test_one_launch_step_follows_a_reloaded_subset():
+    """B = 1 through the one-launch step: a second subset is gathered into the same buffers (the kernel's weight
+    table stays valid) and the decode steps follow it."""
+    pool, routers = _pool()
+    slots = ParseSlots(pool, routers, DecodeConfig(batch_size=1, max_seq_len=32, graph="none", one_launch=True))
+    assert slots.decoder.step_kernel is not None
+    prompt = torch.randint(0, CFG.vocab_size, (1, 5))
+    steps = [torch.randint(0, CFG.vocab_size, (1,)) for _ in range(2)]
+    with torch.no_grad():
+        for seed in (1, 2):
+            sub = _subset(routers, seed)
+            apply(pool, [sub])
+            cache = KVCache(CFG.num_hidden_layers, 1, 32, CFG.num_key_value_heads, CFG.head_dim)
+            ref = [pool(prompt, cache, last_only=True)] + [pool(t[:, None], cache, last_only=True) for t in steps]
+            clear(pool)
+            slots.load([sub])
+            got = [slots.decoder.prefill(prompt)] + [slots.decoder.step(t).clone() for t in steps]
+            _assert_steps_close(got, ref)

@@ -8,6 +8,9 @@ and the LM head is one more GEMV with the final norm folded in, writing fp32 log
 launched with programmatic dependent launch (`pdl`), so each one's launch and first weight loads overlap the
 previous kernel's tail. `fuse_norm=False` keeps separate RMSNorm(+residual) kernels (twelve a layer).
 A layer with a dense projection runs the same step with torch ops (`backend="torch"` does so everywhere).
+At B = 1 on Hopper (`one_launch`, the default there when every layer is factorized) the whole step is instead one
+persistent kernel whose stages are ordered by counters on the device (kernels/step_kernel.py), and with
+`greedy=True` the step ends with the argmax of its logits written into the next input token (`step_greedy`).
 
 Packing is derived at load time (never stored); a Basis Sharing basis is packed once per group per layer
 (it is concatenated with the layer's other factors, so each layer's packed copy is its own).
@@ -61,8 +64,18 @@ class DecodeConfig:
     # end every step with the argmax of its logits, written into the next input token inside the graph
     # (step_greedy: greedy decoding replays one graph a token and launches nothing else)
     greedy: bool = False
+    # B = 1: the whole step in one persistent launch (kernels/step_kernel.py: stages ordered by counters on the
+    # device instead of kernel boundaries). None = the measured winner: on at B = 1 on a Hopper-or-newer GPU when
+    # every layer is factorized with ranks padded to 16 (3.122 vs 3.179 ms/token on the H200, decode.md), else off
+    one_launch: bool | None = None
+    # its StepKernelConfig fields in order (programs per SM, V rows, V width, U rows, U width, pipeline depth,
+    # warps, L2-prefetched tiles); None = the defaults
+    one_launch_tiles: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.one_launch and (self.batch_size != 1 or self.backend != "triton" or self.fuse_norm is False
+                                or self.gemv == "cublas"):
+            raise ValueError("one_launch runs B = 1 on the triton backend with fused norms and Triton GEMVs")
         if self.attn_merge not in ("separate", "fused"):
             raise ValueError(f"attn_merge must be 'separate' or 'fused', got {self.attn_merge!r}")
         if self.gemv_stages is not None and self.gemv_stages < 0:
@@ -228,6 +241,31 @@ class FastDecoder:
             self.attn_counter = z(B, Hkv, dtype=torch.int32) if dcfg.attn_merge == "fused" else None
         self._plan_splits(dev)
         self._graphs: list[torch.cuda.CUDAGraph] | None = None
+        self.step_kernel = None
+        if self._one_launch(dcfg, dev):
+            from rankserve.kernels import step_kernel as _sk
+            bufs = dict(x=self.x, t=self.t, q=self.q, a=self.a, m=self.m, logits=self.logits, k_cache=self.cache.k,
+                        v_cache=self.cache.v, seqlens=self.cache.seqlens, cos=self.cos, sin=self.sin,
+                        mid_o=self.mid_o, mid_lse=self.mid_lse)
+            kcfg = _sk.StepKernelConfig(*(dcfg.one_launch_tiles or ()))
+            self.step_kernel = _sk.StepKernel(self.layers, self.head_n, bufs, cfg, self.num_splits, kcfg)
+
+    def _one_launch(self, dcfg: DecodeConfig, dev: torch.device) -> bool:
+        """Whether the step runs as one persistent launch: asked for (errors say why it cannot), or by default
+        where it was measured faster (B = 1, Hopper+, every layer factorized with fused norms, ranks padded to 16)."""
+        if dcfg.one_launch is False or not self.fuse:
+            if dcfg.one_launch:
+                raise ValueError("one_launch needs fused norms and Triton GEMVs")
+            return False
+        eligible = all(l.folded for l in self.layers)
+        if dcfg.one_launch:
+            if not eligible:
+                raise ValueError("one_launch needs every layer factorized (fused norms); this model has dense layers")
+            return True
+        aligned = all(r % 16 == 0 for l in self.layers for r in [*l.qkv_split, *l.gu_split, l.proj["o"].rank,
+                                                                  l.proj["down"].rank]) if eligible else False
+        return (dcfg.batch_size == 1 and eligible and aligned and dev.type == "cuda"
+                and torch.cuda.get_device_capability(dev)[0] >= 9)
 
     def _plan_splits(self, dev: torch.device) -> None:
         """Split-K plan of the V stages at B > 1: self.splits[i][group] = (programs per row block, first column of
@@ -300,6 +338,13 @@ class FastDecoder:
                 g.replay()
 
     def _step_body(self) -> None:
+        if self.step_kernel is not None:
+            if any(l.live is not None or l.keep_qkv is not None for l in self.layers):
+                raise ValueError("one_launch does not take PARSE masks; use the per-kernel step")
+            self._embed()
+            self.step_kernel.run()
+            self._advance()
+            return
         self._embed()
         self._pending = False  # True while the last sub-layer's output sits in self.y, not yet added to x
         for i in range(len(self.layers)):
@@ -319,6 +364,9 @@ class FastDecoder:
             self._norm(self.y if self._pending else self.x, self.model.norm.weight, self.h,
                        residual=self.x if self._pending else None)
             self.logits.copy_(self.h @ self.head.t())  # (B, V)
+        self._advance()
+
+    def _advance(self) -> None:
         self.cache.seqlens += 1  # every row advanced by one token
         if self.dcfg.greedy:  # the next input: argmax of the logits (the first maximum, as torch.argmax)
             if self.use_triton:

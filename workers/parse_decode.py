@@ -125,6 +125,8 @@ class ParseSlots:
                         slot_col[self._sbase[m]:self._sbase[m] + r] = np.arange(c0, c0 + r)
                     c0 += r
             self._slot_col = slot_col
+        # B = 1: no masks or live widths (the slot is the subset), so the one-launch step can run it (fixed buffers,
+        # refilled in place); B > 1 is always the per-kernel step
         self.decoder = FastDecoder(self.model, dcfg, packed=self.layers)
         self._plins, self._slins = pool.projections(), self.model.projections()
         self.last_changed = 0  # matrices the last load() gathered (0: the slots already held the batch's subsets)

@@ -1,0 +1,462 @@
+"""The whole B = 1 decode step of a fully factorized model in one persistent launch.
+
+The per-kernel step (fast_decode.py: ~9 launches a layer) pays ~3 us of fixed cost per kernel at B = 1 even
+with CUDA graphs and programmatic dependent launch: each kernel waits for the previous grid to drain, then for its
+own first weight bytes (decode.md). Here one launch walks every stage of every layer:
+
+    per layer: Vqkv·norm(x) -> Uq/Uk/Uv + RoPE + K/V into the cache -> attention over each kv head (-> merge of
+    the splits) -> Vo a -> x += Uo t -> Vgu·norm(x) -> SiLU(Ug t)·(Uu t) -> Vd m -> x += Ud t;  then the head.
+
+Scheduling. A stage is a list of items (a block of weight rows, a RoPE head chunk, a kv head), dealt to programs
+by rank: rank r takes items r, r + P, r + 2P, ... (P programs; ranks drawn from an atomic ticket as programs
+start). A program with items in a stage first asks L2 for its first weight tiles, then waits until the previous
+stage's done counter reaches that stage's item count (an acquiring read), then runs one software-pipelined loop
+over (its items x tiles of K), so the weight stream stays `stages - 1` tiles ahead through shared memory across
+item boundaries; at the end it adds its item count to the stage's done counter (release). A program may wait on
+any other's items, so all P must be resident at once: StepKernel caps P at the compiled kernel's occupancy
+(registers, shared memory), and under the CPU interpreter, which runs programs one after the other, P = 1.
+
+Coherence. Activations (x, t, q, a, m) are rewritten by other programs of the same launch, so they are read
+around L1: `.cg` loads, and in the pipelined loops 16-byte `cp.async.cg` copies. Triton issues L1-allocating
+`cp.async.ca` for narrower per-thread vectors, which read stale lines (measured: wrong logits with 512-wide bf16
+tiles at 4 warps), hence StepKernelConfig's minimum tile widths; tests/test_kernels_ptx.py checks the compiled
+kernel has no `cp.async.ca`. Every stage reads what the previous one wrote; a buffer reused by a later stage
+(t, a) is rewritten only after a stage in between completed, so all its readers are done.
+
+Addressing. Weights are element offsets from one base tensor (an int64 table a layer), so layers may have
+different ranks (Dobi-SVD) or shared bases packed per layer (Basis Sharing); ranks and offsets are promised to
+the compiler as multiples of 16 (checked at build), without which every weight load is a scalar 2-byte load.
+
+Measured on the H200 (decode.md, LLaMA-7B shape, bf16, B = 1, graph replay): svd-llm keep 0.6 3.173 vs 3.228
+ms/token for the per-kernel step (both with the greedy argmax in the graph), dobi 3.265 vs 3.274,
+basis-sharing 3.629 vs 3.624; without the stage waits (wrong results) the same kernel streams the step in
+2.87 ms, so the 288 stage barriers cost ~0.3 ms.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from rankserve.kernels.decode_attention import attend, merge_splits
+
+PAD = tl.constexpr(32)  # int32 counters a 128-byte line apart (no false sharing between stages)
+# stage slots a layer: qkv V, qkv U, attention, merge, o V, o U, gate/up V, gate/up U, down V, down U
+SLOTS = tl.constexpr(10)
+META = ("Vqkv", "Uq", "Uk", "Uv", "Vo", "Uo", "Vgu", "Ug", "Uu", "Vd", "Ud")  # offsets, then the 7 ranks
+
+
+@dataclass
+class StepKernelConfig:
+    programs_per_sm: int = 2  # grid = SMs * this, capped at the kernel's occupancy (CPU interpreter: 1 program)
+    # item shapes: weight rows an item and tile width, for the stages that reduce over the hidden / intermediate
+    # size (V stages, the head; they read bf16 activations) and over a rank (U stages: fp32 t; RoPE items take
+    # u_rows dims of each half-head). Measured on the H200 (decode.md): 2 x 4096 and 8 x 512.
+    v_rows: int = 2
+    v_width: int = 4096
+    u_rows: int = 8
+    u_width: int = 512
+    stages: int = 3  # software-pipeline depth of the weight stream (tiles in flight + 1), through shared memory
+    num_warps: int = 4
+    prefetch: int = 2  # GPU: tiles of a program's first item asked of L2 before waiting for the previous stage
+
+    def __post_init__(self) -> None:
+        # activations written in this launch must be read around L1 (cp.async.cg: 16 bytes a thread); narrower
+        # tiles make triton fall back to L1-allocating 4/8-byte copies, which read stale lines (measured: wrong logits)
+        if self.v_width < 256 * self.num_warps or self.u_width < 128 * self.num_warps:
+            raise ValueError(f"one-launch tiles too narrow for {self.num_warps} warps: v_width >= "
+                             f"{256 * self.num_warps} and u_width >= {128 * self.num_warps} needed")
+        if self.prefetch & (self.prefetch - 1):
+            raise ValueError(f"prefetch must be 0 or a power of two (tiles), got {self.prefetch}")
+
+
+@triton.jit
+def _wait(ctr_ptr, prev, prev_items, first):
+    """Before a program's first item of a stage: spin until stage prev's done counter reaches prev_items, then
+    acquire its items' writes."""
+    if first:
+        done_ptr = ctr_ptr + (prev + 1) * PAD
+        # an acquiring read (one thread; the add of 0 compiles to ld.acquire.gpu): one L2 round trip a poll
+        while tl.atomic_add(done_ptr, 0, sem="acquire") < prev_items:
+            pass
+
+
+@triton.jit
+def _leave(ctr_ptr, sid, n_done):
+    """Count this program's items of stage sid as done (release: its stores are visible to the acquirers)."""
+    if n_done > 0:
+        tl.debug_barrier()  # every thread's stores issued before the release
+        tl.atomic_add(ctr_ptr + (sid + 1) * PAD, n_done, sem="release")
+
+
+@triton.jit
+def _l2_prefetch(w_ptr, offs_n, mask_n, K, COLS: tl.constexpr):
+    """Ask L2 for the first COLS columns (at most K; COLS a power of two >= 64) of rows offs_n of w, one
+    `prefetch.global.L2` per 128-byte line (inline PTX: GPU only). Issued before a stage's wait, so the pipeline's
+    first tiles come from L2 (measured: 3.175 -> 3.122 ms a step)."""
+    STEP: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements a 128-byte line
+    cols = tl.minimum(tl.arange(0, COLS // STEP) * STEP, K - STEP)  # past K: the last line again (no new traffic)
+    ptrs = w_ptr + tl.where(mask_n, offs_n, 0)[:, None] * K + cols[None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _mine(n, rank, P):
+    """How many of a stage's n items are this program's: items rank, rank + P, rank + 2P, ..."""
+    return tl.cdiv(tl.maximum(n - rank, 0), P)
+
+
+@triton.jit
+def _gemv_stage(ctr_ptr, rank, P, sid, prev, prev_items, x_ptr, w_ptr, y_ptr, N, K, eps,
+                NORM: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                STAGES: tl.constexpr, PREFETCH: tl.constexpr):
+    """y[n] (+)= sum_k w[n, k] x[k] for n < N, BLOCK_N rows an item; RESIDUAL adds into y (each row one owner).
+    One software-pipelined loop over (this program's items x tiles of K): the weight stream stays STAGES - 1
+    tiles ahead across item boundaries, through shared memory, not registers. x was written by other programs
+    of this launch: read from L2 (.cg)."""
+    nk = tl.cdiv(K, BLOCK_K)
+    mine = _mine(tl.cdiv(N, BLOCK_N), rank, P)
+    if PREFETCH > 0:
+        offs_n = rank * BLOCK_N + tl.arange(0, BLOCK_N)
+        _l2_prefetch(w_ptr, offs_n, offs_n < N, K, PREFETCH * BLOCK_K)
+    _wait(ctr_ptr, prev, prev_items, mine > 0)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    ss = 0.0
+    for j in tl.range(0, mine * nk, num_stages=STAGES):
+        it = j // nk
+        kc = j - it * nk
+        offs_n = (rank + it * P) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = kc * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask_n = offs_n < N
+        mask_k = offs_k < K
+        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
+                    other=0.0, eviction_policy="evict_first")
+        xk = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0, cache_modifier=".cg").to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
+        if NORM:
+            ss += tl.sum(xk * xk, axis=0)
+        last = kc == nk - 1
+        if last:
+            y = acc
+            if NORM:
+                y = y / tl.sqrt(ss / K + eps)
+            if RESIDUAL:
+                y += tl.load(y_ptr + offs_n, mask=mask_n, other=0.0, cache_modifier=".cg").to(tl.float32)
+            tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+        acc = tl.where(last, 0.0, acc)
+        ss = tl.where(last, 0.0, ss)
+    _leave(ctr_ptr, sid, mine)
+
+
+@triton.jit
+def _gate_up_stage(ctr_ptr, rank, P, sid, prev, prev_items, t_ptr, ug_ptr, uu_ptr, m_ptr, N, rg, ru,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr):
+    """m[n] = silu(Ug[n] . t[:rg]) * (Uu[n] . t[rg:]) for n < N (pipelined as _gemv_stage)."""
+    nk = tl.cdiv(tl.maximum(rg, ru), BLOCK_K)
+    mine = _mine(tl.cdiv(N, BLOCK_N), rank, P)
+    if PREFETCH > 0:
+        offs_n = rank * BLOCK_N + tl.arange(0, BLOCK_N)
+        _l2_prefetch(ug_ptr, offs_n, offs_n < N, rg, PREFETCH * BLOCK_K)
+        _l2_prefetch(uu_ptr, offs_n, offs_n < N, ru, PREFETCH * BLOCK_K)
+    _wait(ctr_ptr, prev, prev_items, mine > 0)
+    g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in tl.range(0, mine * nk, num_stages=STAGES):
+        it = j // nk
+        kc = j - it * nk
+        offs_n = (rank + it * P) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = kc * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask_n = offs_n < N
+        wg = tl.load(ug_ptr + offs_n[:, None] * rg + offs_k[None, :], mask=mask_n[:, None] & (offs_k < rg)[None, :],
+                     other=0.0, eviction_policy="evict_first")
+        wu = tl.load(uu_ptr + offs_n[:, None] * ru + offs_k[None, :], mask=mask_n[:, None] & (offs_k < ru)[None, :],
+                     other=0.0, eviction_policy="evict_first")
+        tg = tl.load(t_ptr + offs_k, mask=offs_k < rg, other=0.0, cache_modifier=".cg")
+        tu = tl.load(t_ptr + rg + offs_k, mask=offs_k < ru, other=0.0, cache_modifier=".cg")
+        g += tl.sum(wg.to(tl.float32) * tg[None, :], axis=1)
+        u += tl.sum(wu.to(tl.float32) * tu[None, :], axis=1)
+        last = kc == nk - 1
+        if last:
+            tl.store(m_ptr + offs_n, (g / (1.0 + tl.exp(-g)) * u).to(m_ptr.dtype.element_ty), mask=mask_n)
+        g = tl.where(last, 0.0, g)
+        u = tl.where(last, 0.0, u)
+    _leave(ctr_ptr, sid, mine)
+
+
+@triton.jit
+def _qkv_u_stage(ctr_ptr, rank, P, sid, prev, prev_items, t_ptr, w_ptr, off_q, off_k, off_v, rq, rk, rv,
+                 cos_ptr, sin_ptr, pos, q_ptr, kc_ptr, vc_ptr, stride_ks, stride_kh,
+                 H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """Item (head p of q|k|v, chunk of BLOCK_D dims of each half): rows (d, d + HALF) of that head from its U and
+    its slice of t, RoPE on q and k at position pos, q stored, k and v written into the cache at pos (kc/vc: this
+    layer's, row 0). Pipelined as _gemv_stage over the largest of the three ranks (masked beyond each's own)."""
+    NC: tl.constexpr = (HALF + BLOCK_D - 1) // BLOCK_D
+    nk = tl.cdiv(tl.maximum(tl.maximum(rq, rk), rv), BLOCK_K)
+    mine = _mine((H + 2 * HKV) * NC, rank, P)
+    _wait(ctr_ptr, prev, prev_items, mine > 0)
+    y1 = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    y2 = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in tl.range(0, mine * nk, num_stages=STAGES):
+        it = j // nk
+        kc = j - it * nk
+        i = rank + it * P
+        p = i // NC
+        is_q = p < H
+        is_k = (p >= H) & (p < H + HKV)
+        head = tl.where(is_q, p, tl.where(is_k, p - H, p - H - HKV))
+        r = tl.where(is_q, rq, tl.where(is_k, rk, rv))
+        u_ptr = w_ptr + tl.where(is_q, off_q, tl.where(is_k, off_k, off_v))
+        t_off = tl.where(is_q, 0, tl.where(is_k, rq, rq + rk))
+        offs_d = (i % NC) * BLOCK_D + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HALF
+        rows = head * (2 * HALF) + offs_d
+        offs_k = kc * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < r
+        mask_w = mask_d[:, None] & mask_k[None, :]
+        w1 = tl.load(u_ptr + rows[:, None] * r + offs_k[None, :], mask=mask_w, other=0.0, eviction_policy="evict_first")
+        w2 = tl.load(u_ptr + (rows + HALF)[:, None] * r + offs_k[None, :], mask=mask_w, other=0.0,
+                     eviction_policy="evict_first")
+        tk = tl.load(t_ptr + t_off + offs_k, mask=mask_k, other=0.0, cache_modifier=".cg")
+        y1 += tl.sum(w1.to(tl.float32) * tk[None, :], axis=1)  # dims d
+        y2 += tl.sum(w2.to(tl.float32) * tk[None, :], axis=1)  # dims d + HALF
+        last = kc == nk - 1
+        if last:
+            cos = tl.load(cos_ptr + pos * HALF + offs_d, mask=mask_d, other=1.0)
+            sin = tl.load(sin_ptr + pos * HALF + offs_d, mask=mask_d, other=0.0)
+            is_v = p >= H + HKV
+            o1 = tl.where(is_v, y1, y1 * cos - y2 * sin)
+            o2 = tl.where(is_v, y2, y2 * cos + y1 * sin)
+            seg = p + tl.zeros((BLOCK_D,), dtype=tl.int32)  # full-tensor masks (block & scalar bool: interpreter)
+            mask_q = mask_d & (seg < H)
+            mask_kc = mask_d & (seg >= H) & (seg < H + HKV)
+            mask_v = mask_d & (seg >= H + HKV)
+            q_off = head * (2 * HALF) + offs_d
+            tl.store(q_ptr + q_off, o1.to(q_ptr.dtype.element_ty), mask=mask_q)
+            tl.store(q_ptr + q_off + HALF, o2.to(q_ptr.dtype.element_ty), mask=mask_q)
+            c_off = pos.to(tl.int64) * stride_ks + head * stride_kh + offs_d
+            tl.store(kc_ptr + c_off, o1.to(kc_ptr.dtype.element_ty), mask=mask_kc)
+            tl.store(kc_ptr + c_off + HALF, o2.to(kc_ptr.dtype.element_ty), mask=mask_kc)
+            tl.store(vc_ptr + c_off, o1.to(vc_ptr.dtype.element_ty), mask=mask_v)
+            tl.store(vc_ptr + c_off + HALF, o2.to(vc_ptr.dtype.element_ty), mask=mask_v)
+        y1 = tl.where(last, 0.0, y1)
+        y2 = tl.where(last, 0.0, y2)
+    _leave(ctr_ptr, sid, mine)
+
+
+@triton.jit
+def _attention_stage(ctr_ptr, rank, P, sid, prev, prev_items, q_ptr, kc_ptr, vc_ptr, stride_ks, stride_kh, seqlen,
+                     a_ptr, mid_o_ptr, mid_lse_ptr, qk_scale, G: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                     D_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                     DOT_PREC: tl.constexpr):
+    """Item (kv head hk, split): its query heads over the split's keys; one split writes a (H, D) directly,
+    several write partials mid_o (H, NUM_SPLITS, D) fp32 and mid_lse (H, NUM_SPLITS) for the merge stage."""
+    i = rank
+    _wait(ctr_ptr, prev, prev_items, i < HKV * NUM_SPLITS)
+    n_done = 0
+    split_len = tl.cdiv(tl.cdiv(seqlen, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    while i < HKV * NUM_SPLITS:
+        hk = i // NUM_SPLITS
+        split = i % NUM_SPLITS
+        offs_g = tl.arange(0, BLOCK_H)
+        mask_g = offs_g < G
+        offs_h = hk * G + offs_g  # (BLOCK_H,) query heads of this kv head
+        offs_d = tl.arange(0, D_PAD)
+        mask_d = offs_d < D
+        q = tl.load(q_ptr + offs_h[:, None] * D + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :],
+                    other=0.0, cache_modifier=".cg")  # (BLOCK_H, D_PAD)
+        start = split * split_len
+        o, lse = attend(q, kc_ptr + hk * stride_kh, vc_ptr + hk * stride_kh, stride_ks, stride_ks, start,
+                        tl.minimum(start + split_len, seqlen), offs_d, mask_d, qk_scale, BLOCK_H, D_PAD, BLOCK_N,
+                        DOT_PREC)
+        mask = mask_g[:, None] & mask_d[None, :]
+        if NUM_SPLITS == 1:
+            tl.store(a_ptr + offs_h[:, None] * D + offs_d[None, :], o.to(a_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(mid_o_ptr + (offs_h[:, None] * NUM_SPLITS + split) * D + offs_d[None, :], o, mask=mask)
+            tl.store(mid_lse_ptr + offs_h * NUM_SPLITS + split, lse, mask=mask_g)
+        n_done += 1
+        i += P
+    _leave(ctr_ptr, sid, n_done)
+
+
+@triton.jit
+def _merge_stage(ctr_ptr, rank, P, sid, prev, prev_items, mid_o_ptr, mid_lse_ptr, a_ptr, H: tl.constexpr,
+                 D: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """Item h: head h's output from its splits' partials."""
+    i = rank
+    _wait(ctr_ptr, prev, prev_items, i < H)
+    n_done = 0
+    while i < H:
+        offs_d = tl.arange(0, D_PAD)
+        out = merge_splits(mid_o_ptr + i * NUM_SPLITS * D, mid_lse_ptr + i * NUM_SPLITS, D, offs_d, offs_d < D,
+                           NUM_SPLITS, SPLITS_PAD)
+        tl.store(a_ptr + i * D + offs_d, out.to(a_ptr.dtype.element_ty), mask=offs_d < D)
+        n_done += 1
+        i += P
+    _leave(ctr_ptr, sid, n_done)
+
+
+@triton.jit
+def _offset(mp, j):
+    """Element offset from the base of weight j (META order) of the layer whose table row is at mp. Offsets and ranks
+    are multiples of 16 (StepKernel checks): promised to the compiler, or every weight load is a scalar 2-byte load
+    (measured: the whole step then streamed at ~1.3 TB/s)."""
+    return tl.multiple_of(tl.load(mp + j), 16)
+
+
+@triton.jit
+def _weight(w_ptr, mp, j):
+    return w_ptr + _offset(mp, j)
+
+
+@triton.jit
+def _rank(mp, j):
+    return tl.multiple_of(tl.load(mp + j).to(tl.int32), 16)
+
+
+@triton.jit
+def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, logits_ptr, kc_ptr, vc_ptr,
+                 seqlens_ptr, cos_ptr, sin_ptr, mid_o_ptr, mid_lse_ptr, ctr_ptr,
+                 L, hidden, inter, vocab, stride_kl, stride_ks, stride_kh, eps, qk_scale,
+                 H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, D_PAD: tl.constexpr,
+                 NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+                 ATT_BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+                 BN_V: tl.constexpr, BK_V: tl.constexpr, BN_U: tl.constexpr, BK_U: tl.constexpr,
+                 STAGES: tl.constexpr, PREFETCH: tl.constexpr):
+    D: tl.constexpr = 2 * HALF
+    NS = L * SLOTS + 1  # stages: SLOTS a layer, then the head
+    P = tl.num_programs(0)
+    rank = tl.atomic_add(ctr_ptr, 1, sem="relaxed")  # items by arrival order (see StepKernel: all P are resident)
+    pos = tl.load(seqlens_ptr)  # the current token's position (row 0)
+    hidden_items = tl.cdiv(hidden, BN_U)  # the U stages that write x
+    NC: tl.constexpr = (HALF + BN_U - 1) // BN_U
+    for layer in range(L):
+        mp = meta_ptr + layer * 18
+        rq, rk, rv = _rank(mp, 11), _rank(mp, 12), _rank(mp, 13)
+        ro, rg, ru, rd = _rank(mp, 14), _rank(mp, 15), _rank(mp, 16), _rank(mp, 17)
+        s0 = layer * SLOTS
+        lay = tl.cast(layer, tl.int64)  # a layer of a long cache is > 2^31 elements in
+        kc = kc_ptr + lay * stride_kl
+        vc = vc_ptr + lay * stride_kl
+        # x (normed, the norm weight folded into Vqkv) -> t = Vqkv x; layer 0 waits for nothing
+        _gemv_stage(ctr_ptr, rank, P, s0, tl.maximum(s0 - 1, 0), tl.where(layer == 0, 0, hidden_items), x_ptr,
+                    _weight(w_ptr, mp, 0), t_ptr, rq + rk + rv, hidden, eps, True, False, BN_V, BK_V, STAGES,
+                    PREFETCH)
+        _qkv_u_stage(ctr_ptr, rank, P, s0 + 1, s0, tl.cdiv(rq + rk + rv, BN_V), t_ptr, w_ptr, _offset(mp, 1),
+                     _offset(mp, 2), _offset(mp, 3), rq, rk, rv, cos_ptr, sin_ptr, pos, q_ptr, kc, vc,
+                     stride_ks, stride_kh, H, HKV, HALF, BN_U, BK_U, STAGES)
+        _attention_stage(ctr_ptr, rank, P, s0 + 2, s0 + 1, (H + 2 * HKV) * NC, q_ptr, kc, vc, stride_ks, stride_kh,
+                         pos + 1, a_ptr, mid_o_ptr, mid_lse_ptr, qk_scale, H // HKV, HKV, D, D_PAD, BLOCK_H,
+                         ATT_BLOCK_N, NUM_SPLITS, DOT_PREC)
+        if NUM_SPLITS > 1:
+            _merge_stage(ctr_ptr, rank, P, s0 + 3, s0 + 2, HKV * NUM_SPLITS, mid_o_ptr, mid_lse_ptr, a_ptr, H, D,
+                         D_PAD, NUM_SPLITS, SPLITS_PAD)
+            o_prev = s0 + 3
+            o_prev_items = H
+        else:
+            o_prev = s0 + 2
+            o_prev_items = HKV
+        _gemv_stage(ctr_ptr, rank, P, s0 + 4, o_prev, o_prev_items, a_ptr, _weight(w_ptr, mp, 4), t_ptr, ro, H * D,
+                    eps, False, False, BN_V, BK_V, STAGES, PREFETCH)
+        _gemv_stage(ctr_ptr, rank, P, s0 + 5, s0 + 4, tl.cdiv(ro, BN_V), t_ptr, _weight(w_ptr, mp, 5), x_ptr,
+                    hidden, ro, eps, False, True, BN_U, BK_U, STAGES, PREFETCH)
+        _gemv_stage(ctr_ptr, rank, P, s0 + 6, s0 + 5, hidden_items, x_ptr, _weight(w_ptr, mp, 6), t_ptr, rg + ru,
+                    hidden, eps, True, False, BN_V, BK_V, STAGES, PREFETCH)
+        _gate_up_stage(ctr_ptr, rank, P, s0 + 7, s0 + 6, tl.cdiv(rg + ru, BN_V), t_ptr, _weight(w_ptr, mp, 7),
+                       _weight(w_ptr, mp, 8), m_ptr, inter, rg, ru, BN_U, BK_U, STAGES, PREFETCH)
+        _gemv_stage(ctr_ptr, rank, P, s0 + 8, s0 + 7, tl.cdiv(inter, BN_U), m_ptr, _weight(w_ptr, mp, 9), t_ptr,
+                    rd, inter, eps, False, False, BN_V, BK_V, STAGES, PREFETCH)
+        _gemv_stage(ctr_ptr, rank, P, s0 + 9, s0 + 8, tl.cdiv(rd, BN_V), t_ptr, _weight(w_ptr, mp, 10), x_ptr,
+                    hidden, rd, eps, False, True, BN_U, BK_U, STAGES, PREFETCH)
+    # final norm (folded into the head's columns) + LM head, fp32 logits
+    _gemv_stage(ctr_ptr, rank, P, NS - 1, NS - 2, hidden_items, x_ptr, head_ptr, logits_ptr, vocab, hidden, eps, True,
+                False, BN_V, BK_V, STAGES, PREFETCH)
+
+
+class StepKernel:
+    """The one-launch B = 1 step over a FastDecoder's packed layers and buffers (see the module docstring).
+
+    layers: fast_decode._Layer list, every layer factorized with the norms folded (fuse_norm). Weights must share
+    one dtype and be row-major. The buffers (x, t, q, a, m, logits, caches, cos/sin, mid_o/mid_lse) are the
+    decoder's own; `run()` adds one memset (the counters) and one launch, no host sync or allocation.
+    """
+
+    def __init__(self, layers: list, head_n: torch.Tensor, bufs: dict, cfg, num_splits: int,
+                 kcfg: StepKernelConfig | None = None) -> None:
+        self.kcfg = kcfg or StepKernelConfig()
+        if not all(getattr(l, "folded", False) for l in layers):
+            raise ValueError("the one-launch step needs every layer factorized with fused norms (fuse_norm)")
+        base = layers[0].Vqkv
+        dev, dt, es = base.device, base.dtype, base.element_size()
+        rows = []
+        for L in layers:
+            ws = [L.Vqkv, L.Uq, L.Uk, L.Uv, L.proj["o"].V, L.proj["o"].U, L.Vgu, L.Ug, L.Uu, L.proj["down"].V,
+                  L.proj["down"].U]
+            for name, w in zip(META, ws):
+                if w.dtype != dt or not w.is_contiguous():
+                    raise ValueError(f"the one-launch step wants contiguous {dt} weights; {name} is {w.dtype}")
+            ranks = [*L.qkv_split, L.proj["o"].rank, *L.gu_split, L.proj["down"].rank]
+            if dev.type == "cuda":  # the kernel promises the compiler 16-element alignment (vectorized loads)
+                check_aligned(ws, ranks)
+            offs = [(w.data_ptr() - base.data_ptr()) // es for w in ws]
+            rows.append(offs + ranks)
+        self.meta = torch.tensor(rows, dtype=torch.int64, device=dev)  # (L, 18)
+        self.base, self.head_n, self.b, self.cfg = base, head_n, bufs, cfg
+        self.num_splits = num_splits
+        # counter 0: rank tickets; then one done counter per stage, PAD apart
+        self.ctr = torch.zeros((len(layers) * SLOTS + 2) * PAD, dtype=torch.int32, device=dev)
+        self.on_gpu = dev.type == "cuda"
+        self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if self.on_gpu else 1
+        # one program an SM until the compiled kernel's occupancy is known (the first run); the interpreter runs
+        # programs one after the other, so there a single program does every item
+        self.grid = (self.sms,)
+        self.resident: int | None = None
+
+    def run(self) -> None:
+        cfg, b, k = self.cfg, self.b, self.kcfg
+        H, HKV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        kc, vc = b["k_cache"], b["v_cache"]  # (L, 1, S_max, H_kv, D)
+        on_gpu = kc.is_cuda
+        self.ctr.zero_()
+        kernel = _step_kernel[self.grid](
+            self.base, self.meta, self.head_n, b["x"], b["t"], b["q"], b["a"], b["m"], b["logits"], kc, vc,
+            b["seqlens"], b["cos"], b["sin"], b["mid_o"], b["mid_lse"], self.ctr,
+            len(self.meta), cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,
+            kc.stride(0), kc.stride(2), kc.stride(3), float(cfg.rms_norm_eps), math.log2(math.e) / math.sqrt(D),
+            H=H, HKV=HKV, HALF=D // 2, D_PAD=triton.next_power_of_2(D), NUM_SPLITS=self.num_splits,
+            SPLITS_PAD=triton.next_power_of_2(self.num_splits), BLOCK_H=max(16, triton.next_power_of_2(H // HKV)),
+            ATT_BLOCK_N=64 if on_gpu else 16, DOT_PREC="ieee" if kc.dtype == torch.float32 else "tf32",
+            BN_V=k.v_rows if on_gpu else 16, BK_V=k.v_width if on_gpu else 64,
+            BN_U=min(k.u_rows if on_gpu else 16, triton.next_power_of_2(D // 2)), BK_U=k.u_width if on_gpu else 64,
+            STAGES=k.stages if on_gpu else 1, PREFETCH=k.prefetch if on_gpu else 0,
+            num_warps=k.num_warps if on_gpu else 1)
+        if on_gpu and self.resident is None:
+            # items are dealt to programs statically, so a program may wait on any other's items: every program
+            # must be resident at once. Cap the grid at what fits (registers, shared memory, warps per SM).
+            self.resident = resident_programs(kernel.n_regs, kernel.metadata.shared, k.num_warps, kc.device)
+            self.grid = (self.sms * min(k.programs_per_sm, self.resident),)
+
+
+def check_aligned(ws: list[torch.Tensor], ranks: list[int]) -> None:
+    """The one-launch kernel reads weights with 16-byte vector loads: every rank a multiple of 16 and every weight
+    32-byte aligned (the engine pads ranks to 16 on the GPU: workers/align.py)."""
+    bad = [r for r in ranks if r % 16]
+    if bad:
+        raise ValueError(f"one-launch step: ranks {bad} are not multiples of 16; pad them (workers/align.py) or "
+                         "use the per-kernel step (one_launch=False)")
+    if any(w.data_ptr() % 32 for w in ws):
+        raise ValueError("one-launch step: a weight is not 32-byte aligned; use the per-kernel step")
+
+
+def resident_programs(n_regs: int, shared: int, num_warps: int, device: torch.device) -> int:
+    """Programs of a kernel that fit on one SM at once (CUDA occupancy: registers, shared memory, threads)."""
+    p = torch.cuda.get_device_properties(device)
+    regs_per_warp = -(-n_regs * 32 // 256) * 256  # allocated per warp in units of 256
+    by_regs = (65536 // regs_per_warp) // num_warps  # 64 K registers an SM on every CUDA GPU since Kepler
+    by_smem = p.shared_memory_per_multiprocessor // (shared + 1024) if shared else 32  # 1 KB reserved a block
+    by_threads = p.max_threads_per_multi_processor // (32 * num_warps)
+    return max(1, min(by_regs, by_smem, by_threads, 32))
