@@ -64,3 +64,24 @@ def test_membership_checks_lengths_and_ranges():
         membership([_subset([0, 1], [0, 1, 6])], ROUTERS)
     with pytest.raises(ValueError, match="l0.q: component -1 is out of range"):
         membership([_subset([-1, 1], [0, 1, 2])], ROUTERS)
+
+
+def test_select_together_pulls_a_batch_towards_its_common_components():
+    """pull 0 = each row's own top-K; a strong pull gives the whole batch the components most rows picked (union =
+    K); in between, the union only shrinks; scores are standardized, so their scale does not matter."""
+    import torch
+
+    from rankserve.workers.parse_batching import select_together
+    g = torch.Generator().manual_seed(0)
+    scores = {"l0.q": torch.randn(5, 4, generator=g), "l0.down": 100 * torch.randn(5, 6, generator=g)}
+    own = select_together(scores, ROUTERS, 0.0)
+    assert [s["k"]["l0.q"] for s in own] == [sorted(scores["l0.q"][i].topk(2).indices.tolist()) for i in range(5)]
+    groups = [list(range(5))]
+    unions = [union_over_k(membership(select_together(scores, ROUTERS, p), ROUTERS), ROUTERS, groups)
+              for p in (0.0, 0.5, 1.0, 2.0, 100.0)]
+    assert unions == sorted(unions, reverse=True) and unions[-1] == 1.0 < unions[0]
+    common = select_together(scores, ROUTERS, 100.0)
+    counts = torch.zeros(6).scatter_add_(0, torch.tensor([c for s in own for c in s["k"]["l0.down"]]), torch.ones(15))
+    assert common[0]["k"]["l0.down"] == sorted(counts.topk(3).indices.tolist())  # the three most picked
+    with pytest.raises(ValueError, match="pull"):
+        select_together(scores, ROUTERS, -1.0)

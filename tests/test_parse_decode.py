@@ -130,13 +130,31 @@ def test_engine_parse_fast_path_gives_the_eager_tokens(tmp_path):
     ref = eager.generate_batch(prompts, [params] * 2)
     assert [g.token_ids for g in got] == [r.token_ids for r in ref]
     assert fast._slots and not eager._slots  # the fast engine really went through the slots
-    # more prompts than max_batch_size: batches formed by subset overlap, results in the prompts' order
+    # more prompts than max_batch_size: batches formed by subset overlap, results in the prompts' order; without
+    # the pull each request runs its own subset, as alone
     four = prompts + ["A little bird sang", "Once upon a time there was"]
-    small = Engine.load(ckpt, fast_path="torch", max_batch_size=2)
+    small = Engine.load(ckpt, fast_path="torch", max_batch_size=2, parse_pull=0.0)
     got = small.generate_batch(four, [params] * 4)
     assert [g.token_ids for g in got] == [eager.generate(p, params).token_ids for p in four]
     with pytest.raises(ValueError, match="sampling params"):
         small.generate_batch(four, [params] * 3)
+    # routed together (the default pull): each request runs the subset select_together gives it in its batch, and
+    # the batch's union is no larger than with each request's own top-K
+    from rankserve.workers.parse import route_scores, select
+    from rankserve.workers.parse_batching import membership, select_together, union_over_k
+    pulled = Engine.load(ckpt, fast_path="torch")
+    ids = [pulled.encode_prompt(p, params) for p in prompts]
+    scores = [route_scores(pulled.model, pulled.routers, torch.tensor([i])) for i in ids]
+    together = select_together({n: torch.cat([s[n] for s in scores]) for n in pulled.routers.k}, pulled.routers,
+                               pulled.parse_pull)
+    own = [select(pulled.model, pulled.routers, i) for i in ids]
+    unions = [union_over_k(membership(s, pulled.routers), pulled.routers, [[0, 1]]) for s in (together, own)]
+    assert unions[0] <= unions[1]
+    got = pulled.generate_batch(prompts, [params] * 2)
+    assert [g.token_ids for g in got] == [eager.generate(p, params, subset=t).token_ids
+                                          for p, t in zip(prompts, together)]
+    with pytest.raises(ValueError, match="parse_pull"):
+        Engine.load(ckpt, parse_pull=-1)
 
 
 @pytest.mark.parametrize("B", [1, 3])

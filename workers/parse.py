@@ -83,6 +83,15 @@ def select_batch(model: Transformer, routers: Routers, tokens: torch.Tensor,
                  lengths: torch.Tensor | None = None) -> list[dict]:
     """One subset per row of `tokens` (B, S), right-padded to `lengths` (B,): top-K of R x̄ + b per matrix, where
     x̄ is the matrix's input mean-pooled over the row's real tokens, from one forward with every component on."""
+    scores = route_scores(model, routers, tokens, lengths)
+    picks = {n: s.topk(routers.k[n], dim=-1).indices for n, s in scores.items()}  # (B, K)
+    return [{"v": SUBSET_VERSION, "k": {n: sorted(picks[n][i].tolist()) for n in routers.k}}
+            for i in range(tokens.shape[0])]
+
+
+def route_scores(model: Transformer, routers: Routers, tokens: torch.Tensor,
+                 lengths: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The routers' scores R x̄ + b (B, r_max) per matrix for the rows of `tokens` (see select_batch)."""
     B, S = tokens.shape
     dev = model.embed.weight.device
     tokens = tokens.to(dev)
@@ -108,9 +117,7 @@ def select_batch(model: Transformer, routers: Routers, tokens: torch.Tensor,
             h.remove()
         for n, m in saved.items():
             lins[n].mask = m
-    picks = {n: (pooled[router_input(n)] @ routers.R[n].T + routers.b[n]).topk(routers.k[n], dim=-1).indices
-             for n in routers.k}  # (B, K)
-    return [{"v": SUBSET_VERSION, "k": {n: sorted(picks[n][i].tolist()) for n in routers.k}} for i in range(B)]
+    return {n: pooled[router_input(n)] @ routers.R[n].T + routers.b[n] for n in routers.k}  # (B, r_max)
 
 
 def select(model: Transformer, routers: Routers, prompt_ids: list[int]) -> dict:

@@ -9,6 +9,10 @@ component bytes to its union.
 
     members = membership(subsets, routers)          # (N, G) bool over every routed component
     groups = group_by_overlap(members, cost, batch_size)   # [[i, ...], ...], each <= batch_size, in arrival order
+
+Once a batch is formed, `select_together` can also route its requests towards each other: every request's router
+scores get a bonus for the components the rest of the batch picks, so the union shrinks (bench/parse_union.py
+measures union and quality against that pull).
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from itertools import chain
 
 import numpy as np
 
-from rankserve.workers.parse import Routers
+import torch
+
+from rankserve.workers.parse import SUBSET_VERSION, Routers
 
 
 def bases(routers: Routers) -> np.ndarray:
@@ -87,3 +93,21 @@ def union_over_k(members: np.ndarray, routers: Routers, groups: list[list[int]])
         u = members[g].any(axis=0)
         fr.extend(np.add.reduceat(u, base[:-1]) / k)
     return float(np.mean(fr))
+
+
+def select_together(scores: dict[str, torch.Tensor], routers: Routers, pull: float) -> list[dict]:
+    """One subset per row of a batch's router scores ({matrix: (B, r_max)}, workers.parse.route_scores), pulled
+    towards the batch's common choice: each row's scores are standardized (zero mean, unit deviation over r_max),
+    then pull x (the fraction of the batch whose own top-K holds the component) is added before taking the top-K.
+    pull = 0 gives each row its own top-K (= select_batch); larger pulls give smaller unions, i.e. fewer bytes a
+    decode step at B > 1, at some cost to each row's own choice."""
+    if pull < 0:
+        raise ValueError(f"pull must be >= 0, got {pull}")
+    picks = {}
+    for n, s in scores.items():
+        k = routers.k[n]
+        z = (s - s.mean(-1, keepdim=True)) / s.std(-1, keepdim=True).clamp_min(1e-12)  # (B, r_max)
+        own = torch.zeros_like(z).scatter_(-1, z.topk(k, dim=-1).indices, 1.0)  # (B, r_max) each row's top-K
+        picks[n] = (z + pull * own.mean(0, keepdim=True)).topk(k, dim=-1).indices  # (B, K)
+    B = next(iter(scores.values())).shape[0]
+    return [{"v": SUBSET_VERSION, "k": {n: sorted(picks[n][i].tolist()) for n in routers.k}} for i in range(B)]
