@@ -97,7 +97,7 @@ def _l2_prefetch(w_ptr, offs_n, mask_n, K, COLS: tl.constexpr):
     `prefetch.global.L2` per 128-byte line (inline PTX: GPU only). Issued before a stage's wait, so the pipeline's
     first tiles come from L2 (measured: 3.175 -> 3.122 ms a step)."""
     STEP: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements a 128-byte line
-    cols = tl.minimum(tl.arange(0, COLS // STEP) * STEP, K - STEP)  # past K: the last line again (no new traffic)
+    cols = tl.minimum(tl.arange(0, COLS // STEP) * STEP, tl.maximum(K - STEP, 0))  # past K: the last line again
     ptrs = w_ptr + tl.where(mask_n, offs_n, 0)[:, None] * K + cols[None, :]
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
