@@ -15,6 +15,8 @@ over (its items x tiles of K), so the weight stream stays `stages - 1` tiles ahe
 item boundaries; at the end it adds its item count to the stage's done counter (release). A program may wait on
 any other's items, so all P must be resident at once: StepKernel caps P at the compiled kernel's occupancy
 (registers, shared memory), and under the CPU interpreter, which runs programs one after the other, P = 1.
+Other work on the GPU only delays programs (they start as it drains); a GPU whose SMs are partitioned (MPS limits)
+could keep some from ever starting: use the per-kernel step there (DecodeConfig.one_launch=False).
 
 Coherence. Activations (x, t, q, a, m) are rewritten by other programs of the same launch, so they are read
 around L1: `.cg` loads, and in the pipelined loops 16-byte `cp.async.cg` copies. Triton issues L1-allocating
