@@ -7,11 +7,7 @@ whose own top-K holds the component. This bench routes WikiText-2 test windows i
 (prompt = the first `prompt_len` tokens), for each pull reports the mean union / K over batches and matrices and
 scores the continuation against the dense model as bench/parse.py does, next to static truncation.
 
-`--anchors` adds select_together's bonus for the static subset's components (a request leaves them only where its
-router is confident).
-
-Usage: python -m rankserve.bench.parse_union --base svd-llm --tag valid+train --pulls 0 0.5 1 2 4 [--anchors 0 1]
-       [--out F]
+Usage: python -m rankserve.bench.parse_union --base svd-llm --tag valid+train --pulls 0 0.5 1 2 4 [--out F]
 """
 
 from __future__ import annotations
@@ -37,8 +33,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="models/reference")
     ap.add_argument("--cache", default=".cache/parse")
     ap.add_argument("--pulls", nargs="+", type=float, default=[0.0, 0.5, 1.0, 2.0, 4.0])
-    ap.add_argument("--anchors", nargs="+", type=float, default=[0.0],
-                    help="bonus of the static subset's components (select_together's anchor)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--windows", type=int, default=math.ceil(40000 / 255))
@@ -50,27 +44,25 @@ def main(argv: list[str] | None = None) -> int:
     tok, dense, static, model, routers = loaded
     text = (SHARED / "wikitext-2-raw-test" / "wiki.test.raw").read_text(encoding="utf-8", errors="replace")
     windows = _windows(text, tok, 256, a.windows)
-    grid = [(p, q) for q in a.anchors for p in a.pulls]
-    subsets: dict[tuple[float, float], list[dict]] = {pq: [] for pq in grid}
+    subsets: dict[float, list[dict]] = {p: [] for p in a.pulls}
     with torch.inference_mode():
         for i in range(0, len(windows), a.batch):
             scores = route_scores(model, routers, windows[i:i + a.batch, :a.prompt_len])
-            for p, q in grid:
-                subsets[p, q] += select_together(scores, routers, p, q)
+            for p in a.pulls:
+                subsets[p] += select_together(scores, routers, p)
     groups = [list(range(i, min(i + a.batch, len(windows)))) for i in range(0, len(windows), a.batch)]
-    unions = {pq: union_over_k(membership(s, routers), routers, groups) for pq, s in subsets.items()}
+    unions = {p: union_over_k(membership(s, routers), routers, groups) for p, s in subsets.items()}
     configs = {"static": (static, None)}
-    names = {pq: f"pull {pq[0]:g}" + (f" anchor {pq[1]:g}" if pq[1] else "") for pq in grid}
-    configs.update({names[pq]: (model, s) for pq, s in subsets.items()})
+    configs.update({f"pull {p:g}": (model, s) for p, s in subsets.items()})
     res = _score(dense, configs, windows, a.prompt_len, a.batch)
     out = {}
     for name, r in res.items():
         d = [p - s for p, s in zip(r["window_nll"], res["static"]["window_nll"])]
-        pq = next((pq for pq, nm in names.items() if nm == name), None)
+        pull = None if name == "static" else float(name.split()[1])
         out[name] = dict(perplexity=r["perplexity"], top1_agreement=r["top1_agreement"], kl=r["kl"],
                          dnll=st.mean(d), ci95=1.96 * st.stdev(d) / math.sqrt(len(d)),
-                         union_over_k=1.0 if pq is None else unions[pq])
-        print(f"{name:20s} union/K {out[name]['union_over_k']:.3f}  perplexity {r['perplexity']:.2f}  "
+                         union_over_k=1.0 if pull is None else unions[pull])
+        print(f"{name:10s} union/K {out[name]['union_over_k']:.3f}  perplexity {r['perplexity']:.2f}  "
               f"top-1 {r['top1_agreement']:.4f}  ΔNLL vs static {out[name]['dnll']:+.4f} ± {out[name]['ci95']:.4f}",
               flush=True)
     if a.out:

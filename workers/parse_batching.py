@@ -95,22 +95,18 @@ def union_over_k(members: np.ndarray, routers: Routers, groups: list[list[int]])
     return float(np.mean(fr))
 
 
-def select_together(scores: dict[str, torch.Tensor], routers: Routers, pull: float,
-                    anchor: float = 0.0) -> list[dict]:
+def select_together(scores: dict[str, torch.Tensor], routers: Routers, pull: float) -> list[dict]:
     """One subset per row of a batch's router scores ({matrix: (B, r_max)}, workers.parse.route_scores), pulled
     towards the batch's common choice: each row's scores are standardized (zero mean, unit deviation over r_max),
     then pull x (the fraction of the batch whose own top-K holds the component) is added before taking the top-K.
     pull = 0 gives each row its own top-K (= select_batch); larger pulls give smaller unions, i.e. fewer bytes a
-    decode step at B > 1, at some cost to each row's own choice. anchor adds that much to the static subset's
-    components (the base's first K), so a row leaves them only where its router is confident."""
-    if pull < 0 or anchor < 0:
-        raise ValueError(f"pull and anchor must be >= 0, got {pull} and {anchor}")
+    decode step at B > 1, at some cost to each row's own choice."""
+    if pull < 0:
+        raise ValueError(f"pull must be >= 0, got {pull}")
     picks = {}
     for n, s in scores.items():
         k = routers.k[n]
         z = (s - s.mean(-1, keepdim=True)) / s.std(-1, keepdim=True).clamp_min(1e-12)  # (B, r_max)
-        if anchor:
-            z = z + anchor * (routers.perm[n].to(z.device) < k).float()  # (r_max,) the static subset
         own = torch.zeros_like(z).scatter_(-1, z.topk(k, dim=-1).indices, 1.0)  # (B, r_max) each row's top-K
         picks[n] = (z + pull * own.mean(0, keepdim=True)).topk(k, dim=-1).indices  # (B, K)
     B = next(iter(scores.values())).shape[0]
