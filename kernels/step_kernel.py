@@ -396,12 +396,10 @@ class StepKernel:
         dev, dt, es = base.device, base.dtype, base.element_size()
         rows = []
         for L in layers:
-            ws = [L.Vqkv, L.Uq, L.Uk, L.Uv, L.proj["o"].V, L.proj["o"].U, L.Vgu, L.Ug, L.Uu, L.proj["down"].V,
-                  L.proj["down"].U]
+            ws, ranks = layer_weights(L)
             for name, w in zip(META, ws):
                 if w.dtype != dt or not w.is_contiguous():
                     raise ValueError(f"the one-launch step wants contiguous {dt} weights; {name} is {w.dtype}")
-            ranks = [*L.qkv_split, L.proj["o"].rank, *L.gu_split, L.proj["down"].rank]
             if dev.type == "cuda":  # the kernel promises the compiler 16-element alignment (vectorized loads)
                 check_aligned(ws, ranks)
             offs = [(w.data_ptr() - base.data_ptr()) // es for w in ws]
@@ -441,6 +439,13 @@ class StepKernel:
             # must be resident at once. Cap the grid at what fits (registers, shared memory, warps per SM).
             self.resident = resident_programs(kernel.n_regs, kernel.metadata.shared, k.num_warps, kc.device)
             self.grid = (self.sms * min(k.programs_per_sm, self.resident),)
+
+
+def layer_weights(L) -> tuple[list[torch.Tensor], list[int]]:
+    """A packed layer's (fast_decode._Layer) weights in META order and its 7 ranks (q, k, v, o, gate, up, down)."""
+    ws = [L.Vqkv, L.Uq, L.Uk, L.Uv, L.proj["o"].V, L.proj["o"].U, L.Vgu, L.Ug, L.Uu, L.proj["down"].V,
+          L.proj["down"].U]
+    return ws, [*L.qkv_split, L.proj["o"].rank, *L.gu_split, L.proj["down"].rank]
 
 
 def check_aligned(ws: list[torch.Tensor], ranks: list[int]) -> None:

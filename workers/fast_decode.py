@@ -196,12 +196,13 @@ class FastDecoder:
         self.pdl = False
         if self.use_triton:  # imported lazily: the torch backend must work without triton
             from rankserve.kernels import argmax as _argmax
+            from rankserve.kernels import step_kernel as _step
             from rankserve.kernels import decode_attention as _attn
             from rankserve.kernels import gate_up as _gu
             from rankserve.kernels import lowrank_linear as _ll
             from rankserve.kernels import qkv_rope as _qkv
             from rankserve.kernels import rmsnorm as _rms
-            self._k = dict(argmax=_argmax, attn=_attn, gu=_gu, ll=_ll, qkv=_qkv, rms=_rms)
+            self._k = dict(argmax=_argmax, attn=_attn, gu=_gu, ll=_ll, qkv=_qkv, rms=_rms, step=_step)
             if dcfg.pdl == "on" and not _ll.pdl_supported(dev):
                 raise ValueError("pdl='on' needs a Hopper-or-newer GPU and a triton with griddepcontrol")
             self.pdl = dcfg.pdl == "on" or (dcfg.pdl == "auto" and B == 1 and _ll.pdl_supported(dev))
@@ -243,7 +244,7 @@ class FastDecoder:
         self._graphs: list[torch.cuda.CUDAGraph] | None = None
         self.step_kernel = None
         if self._one_launch(dcfg, dev):
-            from rankserve.kernels import step_kernel as _sk
+            _sk = self._k["step"]
             bufs = dict(x=self.x, t=self.t, q=self.q, a=self.a, m=self.m, logits=self.logits, k_cache=self.cache.k,
                         v_cache=self.cache.v, seqlens=self.cache.seqlens, cos=self.cos, sin=self.sin,
                         mid_o=self.mid_o, mid_lse=self.mid_lse)
@@ -262,10 +263,15 @@ class FastDecoder:
             if not eligible:
                 raise ValueError("one_launch needs every layer factorized (fused norms); this model has dense layers")
             return True
-        aligned = all(r % 16 == 0 for l in self.layers for r in [*l.qkv_split, *l.gu_split, l.proj["o"].rank,
-                                                                  l.proj["down"].rank]) if eligible else False
-        return (dcfg.batch_size == 1 and eligible and aligned and dev.type == "cuda"
-                and torch.cuda.get_device_capability(dev)[0] >= 9)
+        if not (dcfg.batch_size == 1 and eligible and dev.type == "cuda"
+                and torch.cuda.get_device_capability(dev)[0] >= 9):
+            return False
+        try:  # ranks padded to 16 and weights 32-byte aligned, or the per-kernel step
+            for L in self.layers:
+                self._k["step"].check_aligned(*self._k["step"].layer_weights(L))
+        except ValueError:
+            return False
+        return True
 
     def _plan_splits(self, dev: torch.device) -> None:
         """Split-K plan of the V stages at B > 1: self.splits[i][group] = (programs per row block, first column of
