@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics as st
 import sys
 import time
 from pathlib import Path
@@ -188,6 +189,32 @@ def load_cached(cache: str | Path, model: str | Path, base: str, tag: str):
     static, _ = load_checkpoint(static_dir, "cpu", torch.float32)
     pool, _ = load_checkpoint(parse_dir, "cpu", torch.float32)
     return Tokenizer.load(model), dense, static, pool, load_parse(parse_dir, pool)
+
+
+def add_cached_args(ap: argparse.ArgumentParser, tag: str = "valid") -> None:
+    """--base, --tag, --model, --cache: the checkpoints load_cached() reads (the quality benches beside this one)."""
+    ap.add_argument("--base", default="svd-llm", choices=["svd-llm", "basis-sharing"])
+    ap.add_argument("--tag", default=tag, help="router corpus tag of the cached PARSE checkpoint")
+    ap.add_argument("--model", default="models/reference")
+    ap.add_argument("--cache", default=".cache/parse")
+
+
+def test_windows(tok: Tokenizer, seq_len: int = 256, max_tokens: int = 40000) -> torch.Tensor:
+    """Held-out WikiText-2 test as the quality benches score it: the first ceil(max_tokens / (seq_len - 1))
+    windows (n, seq_len), each starting with BOS."""
+    text = (SHARED / "wikitext-2-raw-test" / "wiki.test.raw").read_text(encoding="utf-8", errors="replace")
+    return _windows(text, tok, seq_len, math.ceil(max_tokens / (seq_len - 1)))
+
+
+def vs_static(res: dict[str, dict]) -> dict[str, dict]:
+    """Per config of a _score() result: perplexity, top-1 agreement, KL and the paired Δ NLL against its
+    "static" config over the windows (mean, 95 % interval)."""
+    out = {}
+    for name, r in res.items():
+        d = [p - s for p, s in zip(r["window_nll"], res["static"]["window_nll"])]
+        out[name] = dict(perplexity=r["perplexity"], top1_agreement=r["top1_agreement"], kl=r["kl"],
+                         dnll=st.mean(d), ci95=1.96 * st.stdev(d) / math.sqrt(len(d)))
+    return out
 
 
 def _windows(text: str, tok: Tokenizer, seq_len: int, n: int) -> torch.Tensor:

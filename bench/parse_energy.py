@@ -13,15 +13,13 @@ Usage: python -m rankserve.bench.parse_energy --base svd-llm --tag valid --lams 
 from __future__ import annotations
 
 import argparse
-import math
-import statistics as st
 import sys
 from pathlib import Path
 
 import torch
 
 from rankserve.bench.decode import write_json
-from rankserve.bench.parse import SHARED, WIKI_VALID, _score, _windows, load_cached
+from rankserve.bench.parse import WIKI_VALID, _score, _windows, add_cached_args, load_cached, test_windows, vs_static
 from rankserve.workers.parse import select_batch
 
 
@@ -53,10 +51,7 @@ class Energies:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rankserve.bench.parse_energy", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", default="svd-llm", choices=["svd-llm", "basis-sharing"])
-    ap.add_argument("--tag", default="valid", help="router corpus tag of the cached PARSE checkpoint")
-    ap.add_argument("--model", default="models/reference")
-    ap.add_argument("--cache", default=".cache/parse")
+    add_cached_args(ap)
     ap.add_argument("--lams", nargs="+", type=float, default=[0.0, 0.25, 0.5])
     ap.add_argument("--split", default="test", choices=["valid", "test"])
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -77,8 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         ids, body = tok.encode(valid, bos=False), 255
         windows = torch.tensor([[tok.bos_id] + ids[(64 + i) * body:(65 + i) * body] for i in range(100)])
     else:
-        text = (SHARED / "wikitext-2-raw-test" / "wiki.test.raw").read_text(encoding="utf-8", errors="replace")
-        windows = _windows(text, tok, 256, math.ceil(40000 / 255))
+        windows = test_windows(tok)
     subsets: dict[str, list[dict]] = {f"energy λ={lam:g}": [] for lam in a.lams}
     learned: list[dict] = []
     with torch.inference_mode():
@@ -95,13 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     configs = {"static": (static, None), "trained routers": (model, learned)}
     configs.update({name: (model, s) for name, s in subsets.items()})
     res = _score(dense, configs, windows, a.prompt_len, 8)
-    out = {}
-    for name, r in res.items():
-        d = [p - s for p, s in zip(r["window_nll"], res["static"]["window_nll"])]
-        out[name] = dict(perplexity=r["perplexity"], top1_agreement=r["top1_agreement"], kl=r["kl"],
-                         dnll=st.mean(d), ci95=1.96 * st.stdev(d) / math.sqrt(len(d)))
-        print(f"{name:16s} perplexity {r['perplexity']:.2f}  top-1 {r['top1_agreement']:.4f}  "
-              f"ΔNLL vs static {out[name]['dnll']:+.4f} ± {out[name]['ci95']:.4f}", flush=True)
+    out = vs_static(res)
+    for name, o in out.items():
+        print(f"{name:16s} perplexity {o['perplexity']:.2f}  top-1 {o['top1_agreement']:.4f}  "
+              f"ΔNLL vs static {o['dnll']:+.4f} ± {o['ci95']:.4f}", flush=True)
     if a.out:
         write_json(Path(a.out), dict(base=a.base, tag=a.tag, split=a.split, prompt_len=a.prompt_len,
                                      windows=len(windows), results=out))

@@ -13,37 +13,31 @@ Usage: python -m rankserve.bench.parse_union --base svd-llm --tag valid+train --
 from __future__ import annotations
 
 import argparse
-import math
-import statistics as st
 import sys
 from pathlib import Path
 
 import torch
 
 from rankserve.bench.decode import write_json
-from rankserve.bench.parse import SHARED, _score, _windows, load_cached
+from rankserve.bench.parse import _score, add_cached_args, load_cached, test_windows, vs_static
 from rankserve.workers.parse import route_scores
 from rankserve.workers.parse_batching import membership, select_together, union_over_k
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rankserve.bench.parse_union", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", default="svd-llm", choices=["svd-llm", "basis-sharing"])
-    ap.add_argument("--tag", default="valid+train", help="router corpus tag of the cached PARSE checkpoint")
-    ap.add_argument("--model", default="models/reference")
-    ap.add_argument("--cache", default=".cache/parse")
+    add_cached_args(ap, tag="valid+train")
     ap.add_argument("--pulls", nargs="+", type=float, default=[0.0, 0.5, 1.0, 2.0, 4.0])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--windows", type=int, default=math.ceil(40000 / 255))
+    ap.add_argument("--max-tokens", type=int, default=40000, help="scored text: this many tokens in 256-token windows")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     loaded = load_cached(a.cache, a.model, a.base, a.tag)
     if loaded is None:
         return 2
     tok, dense, static, model, routers = loaded
-    text = (SHARED / "wikitext-2-raw-test" / "wiki.test.raw").read_text(encoding="utf-8", errors="replace")
-    windows = _windows(text, tok, 256, a.windows)
+    windows = test_windows(tok, 256, a.max_tokens)
     subsets: dict[float, list[dict]] = {p: [] for p in a.pulls}
     with torch.inference_mode():
         for i in range(0, len(windows), a.batch):
@@ -55,16 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     configs = {"static": (static, None)}
     configs.update({f"pull {p:g}": (model, s) for p, s in subsets.items()})
     res = _score(dense, configs, windows, a.prompt_len, a.batch)
-    out = {}
-    for name, r in res.items():
-        d = [p - s for p, s in zip(r["window_nll"], res["static"]["window_nll"])]
+    out = vs_static(res)
+    for name, o in out.items():
         pull = None if name == "static" else float(name.split()[1])
-        out[name] = dict(perplexity=r["perplexity"], top1_agreement=r["top1_agreement"], kl=r["kl"],
-                         dnll=st.mean(d), ci95=1.96 * st.stdev(d) / math.sqrt(len(d)),
-                         union_over_k=1.0 if pull is None else unions[pull])
-        print(f"{name:10s} union/K {out[name]['union_over_k']:.3f}  perplexity {r['perplexity']:.2f}  "
-              f"top-1 {r['top1_agreement']:.4f}  ΔNLL vs static {out[name]['dnll']:+.4f} ± {out[name]['ci95']:.4f}",
-              flush=True)
+        o["union_over_k"] = 1.0 if pull is None else unions[pull]
+        print(f"{name:10s} union/K {o['union_over_k']:.3f}  perplexity {o['perplexity']:.2f}  "
+              f"top-1 {o['top1_agreement']:.4f}  ΔNLL vs static {o['dnll']:+.4f} ± {o['ci95']:.4f}", flush=True)
     if a.out:
         write_json(Path(a.out), dict(base=a.base, tag=a.tag, batch=a.batch, prompt_len=a.prompt_len,
                                      windows=len(windows), results=out))

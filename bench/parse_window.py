@@ -12,24 +12,19 @@ Usage: python -m rankserve.bench.parse_window --base svd-llm --tag valid [--seq-
 from __future__ import annotations
 
 import argparse
-import math
-import statistics as st
 import sys
 from pathlib import Path
 
 import torch
 
 from rankserve.bench.decode import write_json
-from rankserve.bench.parse import SHARED, _score, _windows, load_cached
+from rankserve.bench.parse import _score, add_cached_args, load_cached, test_windows, vs_static
 from rankserve.workers.parse import select_batch
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rankserve.bench.parse_window", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", default="svd-llm", choices=["svd-llm", "basis-sharing"])
-    ap.add_argument("--tag", default="valid", help="router corpus tag of the cached PARSE checkpoint")
-    ap.add_argument("--model", default="models/reference")
-    ap.add_argument("--cache", default=".cache/parse")
+    add_cached_args(ap)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=40000)
     ap.add_argument("--out", default=None)
@@ -38,14 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     if loaded is None:
         return 2
     tok, dense, static, model, routers = loaded
-    text = (SHARED / "wikitext-2-raw-test" / "wiki.test.raw").read_text(encoding="utf-8", errors="replace")
-    windows = _windows(text, tok, a.seq_len, math.ceil(a.max_tokens / (a.seq_len - 1)))
+    windows = test_windows(tok, a.seq_len, a.max_tokens)
     with torch.inference_mode():
         subsets = [s for i in range(0, len(windows), 8) for s in select_batch(model, routers, windows[i:i + 8])]
         res = _score(dense, {"static": (static, None), "parse (whole-window routing)": (model, subsets)},
                      windows, 1, 8)
-    diff = [p - s for p, s in zip(res["parse (whole-window routing)"]["window_nll"], res["static"]["window_nll"])]
-    paired = dict(mean=st.mean(diff), ci95=1.96 * st.stdev(diff) / math.sqrt(len(diff)), windows=len(diff))
+    d = vs_static(res)["parse (whole-window routing)"]
+    paired = dict(mean=d["dnll"], ci95=d["ci95"], windows=len(windows))
     for name, r in res.items():
         print(f"{name}: perplexity {r['perplexity']:.2f}, top-1 agreement {r['top1_agreement']:.4f}, "
               f"KL {r['kl']:.4f}, {r['tokens']} tokens")

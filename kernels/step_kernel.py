@@ -106,6 +106,15 @@ def _l2_prefetch(w_ptr, offs_n, mask_n, K, COLS: tl.constexpr):
 
 
 @triton.jit
+def _position(j, nk, rank, P):
+    """Step j of a program's pipelined loop over (its items x nk tiles of K): (the item, the tile, whether it is the
+    item's last tile)."""
+    it = j // nk
+    kc = j - it * nk
+    return rank + it * P, kc, kc == nk - 1
+
+
+@triton.jit
 def _mine(n, rank, P):
     """How many of a stage's n items are this program's: items rank, rank + P, rank + 2P, ..."""
     return tl.cdiv(tl.maximum(n - rank, 0), P)
@@ -128,9 +137,8 @@ def _gemv_stage(ctr_ptr, rank, P, sid, prev, prev_items, x_ptr, w_ptr, y_ptr, N,
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     ss = 0.0
     for j in tl.range(0, mine * nk, num_stages=STAGES):
-        it = j // nk
-        kc = j - it * nk
-        offs_n = (rank + it * P) * BLOCK_N + tl.arange(0, BLOCK_N)
+        i, kc, last = _position(j, nk, rank, P)
+        offs_n = i * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = kc * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_n = offs_n < N
         mask_k = offs_k < K
@@ -140,7 +148,6 @@ def _gemv_stage(ctr_ptr, rank, P, sid, prev, prev_items, x_ptr, w_ptr, y_ptr, N,
         acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
         if NORM:
             ss += tl.sum(xk * xk, axis=0)
-        last = kc == nk - 1
         if last:
             y = acc
             if NORM:
@@ -167,9 +174,8 @@ def _gate_up_stage(ctr_ptr, rank, P, sid, prev, prev_items, t_ptr, ug_ptr, uu_pt
     g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for j in tl.range(0, mine * nk, num_stages=STAGES):
-        it = j // nk
-        kc = j - it * nk
-        offs_n = (rank + it * P) * BLOCK_N + tl.arange(0, BLOCK_N)
+        i, kc, last = _position(j, nk, rank, P)
+        offs_n = i * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = kc * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_n = offs_n < N
         wg = tl.load(ug_ptr + offs_n[:, None] * rg + offs_k[None, :], mask=mask_n[:, None] & (offs_k < rg)[None, :],
@@ -180,7 +186,6 @@ def _gate_up_stage(ctr_ptr, rank, P, sid, prev, prev_items, t_ptr, ug_ptr, uu_pt
         tu = tl.load(t_ptr + rg + offs_k, mask=offs_k < ru, other=0.0, cache_modifier=".cg")
         g += tl.sum(wg.to(tl.float32) * tg[None, :], axis=1)
         u += tl.sum(wu.to(tl.float32) * tu[None, :], axis=1)
-        last = kc == nk - 1
         if last:
             tl.store(m_ptr + offs_n, (g / (1.0 + tl.exp(-g)) * u).to(m_ptr.dtype.element_ty), mask=mask_n)
         g = tl.where(last, 0.0, g)
@@ -203,9 +208,7 @@ def _qkv_u_stage(ctr_ptr, rank, P, sid, prev, prev_items, t_ptr, w_ptr, off_q, o
     y1 = tl.zeros((BLOCK_D,), dtype=tl.float32)
     y2 = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for j in tl.range(0, mine * nk, num_stages=STAGES):
-        it = j // nk
-        kc = j - it * nk
-        i = rank + it * P
+        i, kc, last = _position(j, nk, rank, P)
         p = i // NC
         is_q = p < H
         is_k = (p >= H) & (p < H + HKV)
@@ -225,7 +228,6 @@ def _qkv_u_stage(ctr_ptr, rank, P, sid, prev, prev_items, t_ptr, w_ptr, off_q, o
         tk = tl.load(t_ptr + t_off + offs_k, mask=mask_k, other=0.0, cache_modifier=".cg")
         y1 += tl.sum(w1.to(tl.float32) * tk[None, :], axis=1)  # dims d
         y2 += tl.sum(w2.to(tl.float32) * tk[None, :], axis=1)  # dims d + HALF
-        last = kc == nk - 1
         if last:
             cos = tl.load(cos_ptr + pos * HALF + offs_d, mask=mask_d, other=1.0)
             sin = tl.load(sin_ptr + pos * HALF + offs_d, mask=mask_d, other=0.0)

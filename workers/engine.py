@@ -143,7 +143,7 @@ class Engine:
         routed, scores = None, None
         if self.routers is not None and subset is None:
             scores = [route_scores(self.model, self.routers, torch.tensor([r.prompt_ids])) for r in rows]
-            routed = [select_together(s, self.routers, 0.0)[0] for s in scores]  # each request's own top-K
+            routed = [select_together(s, self.routers, 0.0)[0] for s in scores]  # own top-K: what grouping compares
         if routed is not None and len(rows) > B:
             shapes = {n: (l.out_features, l.in_features) for n, l in self.model.projections().items()}
             groups = group_by_overlap(membership(routed, self.routers), component_cost(self.routers, shapes), B)
