@@ -156,13 +156,13 @@ def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_mb, stride_mh, 
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < D)
 
 
-def default_num_splits(S_max: int, B: int, H_kv: int, num_sms: int = 132) -> int:
-    """Splits per row for decode_attention: about two waves of programs at full length, >= 256 keys a split.
+def default_num_splits(S_max: int, B: int, H_kv: int, num_sms: int = 132, min_keys: int = 256) -> int:
+    """Splits per row for decode_attention: about two waves of programs at full length, >= min_keys keys a split.
 
     Depends on shapes only (fixed per captured graph); num_sms defaults to an H100/H200.
     """
     waves = triton.cdiv(2 * num_sms, B * H_kv)
-    return max(1, min(waves, triton.cdiv(S_max, 256), 64))
+    return max(1, min(waves, triton.cdiv(S_max, min_keys), 64))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,

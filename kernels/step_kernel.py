@@ -29,10 +29,9 @@ Addressing. Weights are element offsets from one base tensor (an int64 table a l
 different ranks (Dobi-SVD) or shared bases packed per layer (Basis Sharing); ranks and offsets are promised to
 the compiler as multiples of 16 (checked at build), without which every weight load is a scalar 2-byte load.
 
-Measured on the H200 (decode.md, LLaMA-7B shape, bf16, B = 1, graph replay): svd-llm keep 0.6 3.173 vs 3.228
-ms/token for the per-kernel step (both with the greedy argmax in the graph), dobi 3.265 vs 3.274,
-basis-sharing 3.629 vs 3.624; without the stage waits (wrong results) the same kernel streams the step in
-2.87 ms, so the 288 stage barriers cost ~0.3 ms.
+Measured on the H200 (decode.md, LLaMA-7B shape, bf16, B = 1, graph replay, greedy argmax in the graph):
+svd-llm keep 0.6 3.010 vs 3.225 ms/token for the per-kernel step, dobi 3.160 vs 3.273, basis-sharing 3.582 vs 3.623,
+prompt 2048 3.257 vs 3.494. Where the time goes, stage by stage: bench/step_trace.py (StepKernelConfig.trace).
 """
 
 import math
@@ -50,28 +49,73 @@ SLOTS = tl.constexpr(10)
 META = ("Vqkv", "Uq", "Uk", "Uv", "Vo", "Uo", "Vgu", "Ug", "Uu", "Vd", "Ud")  # offsets, then the 7 ranks
 
 
+Tile = tuple[int, int]  # (weight rows an item, columns a tile of the reduction)
+V_STAGES = ("qkv_v", "o_v", "gate_up_v", "down_v", "head")  # reduce over the hidden / intermediate size (bf16 input)
+U_STAGES = ("qkv_u", "o_u", "gate_up_u", "down_u")  # reduce over a rank (fp32 t); qkv_u rows: dims of a half-head
+
+
 @dataclass
 class StepKernelConfig:
     programs_per_sm: int = 2  # grid = SMs * this, capped at the kernel's occupancy (CPU interpreter: 1 program)
-    # item shapes: weight rows an item and tile width, for the stages that reduce over the hidden / intermediate
-    # size (V stages, the head; they read bf16 activations) and over a rank (U stages: fp32 t; RoPE items take
-    # u_rows dims of each half-head). Measured on the H200 (decode.md): 2 x 4096 and 8 x 512.
-    v_rows: int = 2
-    v_width: int = 4096
-    u_rows: int = 8
-    u_width: int = 512
-    stages: int = 3  # software-pipeline depth of the weight stream (tiles in flight + 1), through shared memory
+    # item tiles per stage (GPU). A stage takes as long as its busiest program, and a program's pipelined loop
+    # costs about the same per step whatever the tile (bench/step_trace.py): tiles of ~16 KB and item counts
+    # without a ragged last round. Measured on the H200 (decode.md).
+    qkv_v: Tile = (2, 4096)
+    qkv_u: Tile = (8, 512)
+    o_v: Tile = (2, 4096)
+    o_u: Tile = (16, 512)
+    gate_up_v: Tile = (2, 4096)
+    gate_up_u: Tile = (8, 1024)  # two tiles a step (gate and up)
+    down_v: Tile = (2, 4096)
+    down_u: Tile = (8, 1024)
+    head: Tile = (2, 4096)
+    stages: int = 3  # software-pipeline depth of the V stages' weight stream (tiles in flight + 1), shared memory
+    u_stages: int = 3  # the same for the U stages
     num_warps: int = 4
-    prefetch: int = 2  # GPU: tiles of a program's first item asked of L2 before waiting for the previous stage
+    # GPU: the first tiles of a program's (items x tiles of K) sequence of a stage asked of L2 before it waits for
+    # the previous stage (measured, decode.md: 1 tile 3.158 ms vs 2 tiles 3.221 in one run, 2 / 4 / 8 tiles
+    # 3.18 / 3.35 / 4.00 in another: asking for more competes with the stage's stragglers)
+    prefetch: int = 1
+    # GPU: cap on registers a thread (ptxas .maxnreg); None = the compiler's choice (254 for this kernel: 2
+    # programs an SM). Lower caps let more programs share an SM at the cost of spills (measured slower).
+    maxnreg: int | None = None
+    att_block_n: int = 64  # GPU: keys a tile in the attention stage (its tl.dot tiles set the shared memory)
+    # diagnostics: every program stamps the global timer (ns) as it reaches each stage, into StepKernel.trace
+    # (programs x stages + 1); bench/step_trace.py turns the stamps into per-stage span / work / tail times
+    trace: bool = False
 
     def __post_init__(self) -> None:
         # activations written in this launch must be read around L1 (cp.async.cg: 16 bytes a thread); narrower
         # tiles make triton fall back to L1-allocating 4/8-byte copies, which read stale lines (measured: wrong logits)
-        if self.v_width < 256 * self.num_warps or self.u_width < 128 * self.num_warps:
-            raise ValueError(f"one-launch tiles too narrow for {self.num_warps} warps: v_width >= "
-                             f"{256 * self.num_warps} and u_width >= {128 * self.num_warps} needed")
-        if self.prefetch & (self.prefetch - 1):
-            raise ValueError(f"prefetch must be 0 or a power of two (tiles), got {self.prefetch}")
+        for name in V_STAGES + U_STAGES:
+            rows, width = getattr(self, name)
+            least = (256 if name in V_STAGES else 128) * self.num_warps
+            if rows < 1 or rows & (rows - 1) or width & (width - 1):
+                raise ValueError(f"one-launch {name} tile {rows} x {width}: powers of two wanted")
+            if width < least:
+                raise ValueError(f"one-launch {name} tile too narrow for {self.num_warps} warps: width >= {least} "
+                                 f"needed, got {width}")
+        if min(self.stages, self.u_stages) < 1:
+            raise ValueError("one-launch pipeline depths must be >= 1")
+        if self.prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0 tiles, got {self.prefetch}")
+        if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
+            raise ValueError(f"maxnreg must be in [24, 255] or None, got {self.maxnreg}")
+
+    def constexprs(self, on_gpu: bool, half_head: int) -> dict:
+        """The kernel's tile constants: this config on the GPU; small tiles for the CPU interpreter (one program,
+        uneven item sizes across stages so the per-stage item counts are exercised)."""
+        if on_gpu:
+            tiles = {n: getattr(self, n) for n in V_STAGES + U_STAGES}
+        else:
+            tiles = dict(qkv_v=(16, 64), qkv_u=(16, 64), o_v=(8, 64), o_u=(16, 64), gate_up_v=(16, 64),
+                         gate_up_u=(16, 64), down_v=(4, 64), down_u=(8, 64), head=(16, 64))
+        out = {}
+        for n, (rows, width) in tiles.items():
+            if n == "qkv_u":  # RoPE chunks: at most half a head's dims
+                rows = min(rows, triton.next_power_of_2(half_head))
+            out[f"BN_{n.upper()}"], out[f"BK_{n.upper()}"] = rows, width
+        return out
 
 
 @triton.jit
@@ -94,13 +138,24 @@ def _leave(ctr_ptr, sid, n_done):
 
 
 @triton.jit
-def _l2_prefetch(w_ptr, offs_n, mask_n, K, COLS: tl.constexpr):
-    """Ask L2 for the first COLS columns (at most K; COLS a power of two >= 64) of rows offs_n of w, one
-    `prefetch.global.L2` per 128-byte line (inline PTX: GPU only). Issued before a stage's wait, so the pipeline's
-    first tiles come from L2 (measured: 3.175 -> 3.122 ms a step)."""
+def _l2_prefetch(w_ptr, rank, P, mine, nk, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 TILES: tl.constexpr):
+    """Ask L2 for the first TILES tiles (BLOCK_N rows x BLOCK_K columns of w, row-major with K columns) of this
+    program's pipelined sequence (its items x tiles of K, _position order), one `prefetch.global.L2` per 128-byte
+    line (inline PTX: GPU only). Issued before a stage's wait, so the first tiles come from L2 and a program that
+    finished the previous stage early keeps memory busy meanwhile (measured: 3.175 -> 3.122 ms a step, one tile)."""
+    for j in tl.static_range(TILES):
+        i, kc, _ = _position(j, nk, rank, P)
+        offs_n = i * BLOCK_N + tl.arange(0, BLOCK_N)
+        _prefetch_tile(w_ptr, offs_n, (offs_n < N) & (j < mine * nk), K, kc * BLOCK_K, BLOCK_K)
+
+
+@triton.jit
+def _prefetch_tile(w_ptr, rows, ok, K, k0, BLOCK_K: tl.constexpr):
+    """`prefetch.global.L2` of columns [k0, k0 + BLOCK_K) (clipped to K) of the rows of w (K columns) where ok."""
     STEP: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements a 128-byte line
-    cols = tl.minimum(tl.arange(0, COLS // STEP) * STEP, tl.maximum(K - STEP, 0))  # past K: the last line again
-    ptrs = w_ptr + tl.where(mask_n, offs_n, 0)[:, None] * K + cols[None, :]
+    cols = tl.minimum(k0 + tl.arange(0, BLOCK_K // STEP) * STEP, tl.maximum(K - STEP, 0))
+    ptrs = w_ptr + tl.where(ok, rows, 0)[:, None] * K + cols[None, :]  # masked rows: row 0 again (in L2 by then)
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
 
@@ -131,8 +186,7 @@ def _gemv_stage(ctr_ptr, rank, P, sid, prev, prev_items, x_ptr, w_ptr, y_ptr, N,
     nk = tl.cdiv(K, BLOCK_K)
     mine = _mine(tl.cdiv(N, BLOCK_N), rank, P)
     if PREFETCH > 0:
-        offs_n = rank * BLOCK_N + tl.arange(0, BLOCK_N)
-        _l2_prefetch(w_ptr, offs_n, offs_n < N, K, PREFETCH * BLOCK_K)
+        _l2_prefetch(w_ptr, rank, P, mine, nk, N, K, BLOCK_N, BLOCK_K, PREFETCH)
     _wait(ctr_ptr, prev, prev_items, mine > 0)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     ss = 0.0
@@ -167,9 +221,8 @@ def _gate_up_stage(ctr_ptr, rank, P, sid, prev, prev_items, t_ptr, ug_ptr, uu_pt
     nk = tl.cdiv(tl.maximum(rg, ru), BLOCK_K)
     mine = _mine(tl.cdiv(N, BLOCK_N), rank, P)
     if PREFETCH > 0:
-        offs_n = rank * BLOCK_N + tl.arange(0, BLOCK_N)
-        _l2_prefetch(ug_ptr, offs_n, offs_n < N, rg, PREFETCH * BLOCK_K)
-        _l2_prefetch(uu_ptr, offs_n, offs_n < N, ru, PREFETCH * BLOCK_K)
+        _l2_prefetch(ug_ptr, rank, P, mine, nk, N, rg, BLOCK_N, BLOCK_K, PREFETCH)
+        _l2_prefetch(uu_ptr, rank, P, mine, nk, N, ru, BLOCK_N, BLOCK_K, PREFETCH)
     _wait(ctr_ptr, prev, prev_items, mine > 0)
     g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     u = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -197,28 +250,28 @@ def _gate_up_stage(ctr_ptr, rank, P, sid, prev, prev_items, t_ptr, ug_ptr, uu_pt
 def _qkv_u_stage(ctr_ptr, rank, P, sid, prev, prev_items, t_ptr, w_ptr, off_q, off_k, off_v, rq, rk, rv,
                  cos_ptr, sin_ptr, pos, q_ptr, kc_ptr, vc_ptr, stride_ks, stride_kh,
                  H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr):
     """Item (head p of q|k|v, chunk of BLOCK_D dims of each half): rows (d, d + HALF) of that head from its U and
     its slice of t, RoPE on q and k at position pos, q stored, k and v written into the cache at pos (kc/vc: this
     layer's, row 0). Pipelined as _gemv_stage over the largest of the three ranks (masked beyond each's own)."""
     NC: tl.constexpr = (HALF + BLOCK_D - 1) // BLOCK_D
     nk = tl.cdiv(tl.maximum(tl.maximum(rq, rk), rv), BLOCK_K)
     mine = _mine((H + 2 * HKV) * NC, rank, P)
+    for j in tl.static_range(PREFETCH):
+        i, kc, _ = _position(j, nk, rank, P)
+        u_ptr, r, t_off, head, rows, mask_d, p = _qkv_item(i, w_ptr, off_q, off_k, off_v, rq, rk, rv, H, HKV, HALF,
+                                                           BLOCK_D)
+        ok = mask_d & (j < mine * nk)
+        _prefetch_tile(u_ptr, rows, ok, r, kc * BLOCK_K, BLOCK_K)
+        _prefetch_tile(u_ptr, rows + HALF, ok, r, kc * BLOCK_K, BLOCK_K)
     _wait(ctr_ptr, prev, prev_items, mine > 0)
     y1 = tl.zeros((BLOCK_D,), dtype=tl.float32)
     y2 = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for j in tl.range(0, mine * nk, num_stages=STAGES):
         i, kc, last = _position(j, nk, rank, P)
-        p = i // NC
-        is_q = p < H
-        is_k = (p >= H) & (p < H + HKV)
-        head = tl.where(is_q, p, tl.where(is_k, p - H, p - H - HKV))
-        r = tl.where(is_q, rq, tl.where(is_k, rk, rv))
-        u_ptr = w_ptr + tl.where(is_q, off_q, tl.where(is_k, off_k, off_v))
-        t_off = tl.where(is_q, 0, tl.where(is_k, rq, rq + rk))
+        u_ptr, r, t_off, head, rows, mask_d, p = _qkv_item(i, w_ptr, off_q, off_k, off_v, rq, rk, rv, H, HKV, HALF,
+                                                           BLOCK_D)
         offs_d = (i % NC) * BLOCK_D + tl.arange(0, BLOCK_D)
-        mask_d = offs_d < HALF
-        rows = head * (2 * HALF) + offs_d
         offs_k = kc * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_k = offs_k < r
         mask_w = mask_d[:, None] & mask_k[None, :]
@@ -249,6 +302,22 @@ def _qkv_u_stage(ctr_ptr, rank, P, sid, prev, prev_items, t_ptr, w_ptr, off_q, o
         y1 = tl.where(last, 0.0, y1)
         y2 = tl.where(last, 0.0, y2)
     _leave(ctr_ptr, sid, mine)
+
+
+@triton.jit
+def _qkv_item(i, w_ptr, off_q, off_k, off_v, rq, rk, rv, H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
+              BLOCK_D: tl.constexpr):
+    """Item i of the q/k/v U stage: (its U, rank, offset into t, head, rows d of the half-head chunk, mask, part p)."""
+    NC: tl.constexpr = (HALF + BLOCK_D - 1) // BLOCK_D
+    p = i // NC
+    is_q = p < H
+    is_k = (p >= H) & (p < H + HKV)
+    head = tl.where(is_q, p, tl.where(is_k, p - H, p - H - HKV))
+    r = tl.where(is_q, rq, tl.where(is_k, rk, rv))
+    u_ptr = w_ptr + tl.where(is_q, off_q, tl.where(is_k, off_k, off_v))
+    t_off = tl.where(is_q, 0, tl.where(is_k, rq, rq + rk))
+    offs_d = (i % NC) * BLOCK_D + tl.arange(0, BLOCK_D)
+    return u_ptr, r, t_off, head, head * (2 * HALF) + offs_d, offs_d < HALF, p
 
 
 @triton.jit
@@ -305,6 +374,15 @@ def _merge_stage(ctr_ptr, rank, P, sid, prev, prev_items, mid_o_ptr, mid_lse_ptr
 
 
 @triton.jit
+def _stamp(trace_ptr, rank, s, NS, TRACE: tl.constexpr):
+    """Diagnostics (TRACE): the global timer (ns) when program rank reaches stage s, at trace[rank, s]."""
+    if TRACE:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [rank], dtype=tl.int64, is_pure=False,
+                                      pack=1)
+        tl.store(trace_ptr + rank * (NS + 1) + s, t)
+
+
+@triton.jit
 def _offset(mp, j):
     """Element offset from the base of weight j (META order) of the layer whose table row is at mp. Offsets and ranks
     are multiples of 16 (StepKernel checks): promised to the compiler, or every weight load is a scalar 2-byte load
@@ -324,20 +402,23 @@ def _rank(mp, j):
 
 @triton.jit
 def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, logits_ptr, kc_ptr, vc_ptr,
-                 seqlens_ptr, cos_ptr, sin_ptr, mid_o_ptr, mid_lse_ptr, ctr_ptr,
+                 seqlens_ptr, cos_ptr, sin_ptr, mid_o_ptr, mid_lse_ptr, ctr_ptr, trace_ptr,
                  L, hidden, inter, vocab, stride_kl, stride_ks, stride_kh, eps, qk_scale,
                  H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, D_PAD: tl.constexpr,
                  NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
                  ATT_BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-                 BN_V: tl.constexpr, BK_V: tl.constexpr, BN_U: tl.constexpr, BK_U: tl.constexpr,
-                 STAGES: tl.constexpr, PREFETCH: tl.constexpr):
+                 BN_QKV_V: tl.constexpr, BK_QKV_V: tl.constexpr, BN_QKV_U: tl.constexpr, BK_QKV_U: tl.constexpr,
+                 BN_O_V: tl.constexpr, BK_O_V: tl.constexpr, BN_O_U: tl.constexpr, BK_O_U: tl.constexpr,
+                 BN_GATE_UP_V: tl.constexpr, BK_GATE_UP_V: tl.constexpr, BN_GATE_UP_U: tl.constexpr,
+                 BK_GATE_UP_U: tl.constexpr, BN_DOWN_V: tl.constexpr, BK_DOWN_V: tl.constexpr,
+                 BN_DOWN_U: tl.constexpr, BK_DOWN_U: tl.constexpr, BN_HEAD: tl.constexpr, BK_HEAD: tl.constexpr,
+                 STAGES: tl.constexpr, STAGES_U: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr):
     D: tl.constexpr = 2 * HALF
     NS = L * SLOTS + 1  # stages: SLOTS a layer, then the head
     P = tl.num_programs(0)
     rank = tl.atomic_add(ctr_ptr, 1, sem="relaxed")  # items by arrival order (see StepKernel: all P are resident)
     pos = tl.load(seqlens_ptr)  # the current token's position (row 0)
-    hidden_items = tl.cdiv(hidden, BN_U)  # the U stages that write x
-    NC: tl.constexpr = (HALF + BN_U - 1) // BN_U
+    NC: tl.constexpr = (HALF + BN_QKV_U - 1) // BN_QKV_U
     for layer in range(L):
         mp = meta_ptr + layer * 18
         rq, rk, rv = _rank(mp, 11), _rank(mp, 12), _rank(mp, 13)
@@ -347,16 +428,20 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
         kc = kc_ptr + lay * stride_kl
         vc = vc_ptr + lay * stride_kl
         # x (normed, the norm weight folded into Vqkv) -> t = Vqkv x; layer 0 waits for nothing
-        _gemv_stage(ctr_ptr, rank, P, s0, tl.maximum(s0 - 1, 0), tl.where(layer == 0, 0, hidden_items), x_ptr,
-                    _weight(w_ptr, mp, 0), t_ptr, rq + rk + rv, hidden, eps, True, False, BN_V, BK_V, STAGES,
-                    PREFETCH)
-        _qkv_u_stage(ctr_ptr, rank, P, s0 + 1, s0, tl.cdiv(rq + rk + rv, BN_V), t_ptr, w_ptr, _offset(mp, 1),
+        _stamp(trace_ptr, rank, s0, NS, TRACE)
+        _gemv_stage(ctr_ptr, rank, P, s0, tl.maximum(s0 - 1, 0), tl.where(layer == 0, 0, tl.cdiv(hidden, BN_DOWN_U)),
+                    x_ptr, _weight(w_ptr, mp, 0), t_ptr, rq + rk + rv, hidden, eps, True, False, BN_QKV_V, BK_QKV_V,
+                    STAGES, PREFETCH)
+        _stamp(trace_ptr, rank, s0 + 1, NS, TRACE)
+        _qkv_u_stage(ctr_ptr, rank, P, s0 + 1, s0, tl.cdiv(rq + rk + rv, BN_QKV_V), t_ptr, w_ptr, _offset(mp, 1),
                      _offset(mp, 2), _offset(mp, 3), rq, rk, rv, cos_ptr, sin_ptr, pos, q_ptr, kc, vc,
-                     stride_ks, stride_kh, H, HKV, HALF, BN_U, BK_U, STAGES)
+                     stride_ks, stride_kh, H, HKV, HALF, BN_QKV_U, BK_QKV_U, STAGES_U, PREFETCH)
+        _stamp(trace_ptr, rank, s0 + 2, NS, TRACE)
         _attention_stage(ctr_ptr, rank, P, s0 + 2, s0 + 1, (H + 2 * HKV) * NC, q_ptr, kc, vc, stride_ks, stride_kh,
                          pos + 1, a_ptr, mid_o_ptr, mid_lse_ptr, qk_scale, H // HKV, HKV, D, D_PAD, BLOCK_H,
                          ATT_BLOCK_N, NUM_SPLITS, DOT_PREC)
         if NUM_SPLITS > 1:
+            _stamp(trace_ptr, rank, s0 + 3, NS, TRACE)
             _merge_stage(ctr_ptr, rank, P, s0 + 3, s0 + 2, HKV * NUM_SPLITS, mid_o_ptr, mid_lse_ptr, a_ptr, H, D,
                          D_PAD, NUM_SPLITS, SPLITS_PAD)
             o_prev = s0 + 3
@@ -364,21 +449,29 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
         else:
             o_prev = s0 + 2
             o_prev_items = HKV
+        _stamp(trace_ptr, rank, s0 + 4, NS, TRACE)
         _gemv_stage(ctr_ptr, rank, P, s0 + 4, o_prev, o_prev_items, a_ptr, _weight(w_ptr, mp, 4), t_ptr, ro, H * D,
-                    eps, False, False, BN_V, BK_V, STAGES, PREFETCH)
-        _gemv_stage(ctr_ptr, rank, P, s0 + 5, s0 + 4, tl.cdiv(ro, BN_V), t_ptr, _weight(w_ptr, mp, 5), x_ptr,
-                    hidden, ro, eps, False, True, BN_U, BK_U, STAGES, PREFETCH)
-        _gemv_stage(ctr_ptr, rank, P, s0 + 6, s0 + 5, hidden_items, x_ptr, _weight(w_ptr, mp, 6), t_ptr, rg + ru,
-                    hidden, eps, True, False, BN_V, BK_V, STAGES, PREFETCH)
-        _gate_up_stage(ctr_ptr, rank, P, s0 + 7, s0 + 6, tl.cdiv(rg + ru, BN_V), t_ptr, _weight(w_ptr, mp, 7),
-                       _weight(w_ptr, mp, 8), m_ptr, inter, rg, ru, BN_U, BK_U, STAGES, PREFETCH)
-        _gemv_stage(ctr_ptr, rank, P, s0 + 8, s0 + 7, tl.cdiv(inter, BN_U), m_ptr, _weight(w_ptr, mp, 9), t_ptr,
-                    rd, inter, eps, False, False, BN_V, BK_V, STAGES, PREFETCH)
-        _gemv_stage(ctr_ptr, rank, P, s0 + 9, s0 + 8, tl.cdiv(rd, BN_V), t_ptr, _weight(w_ptr, mp, 10), x_ptr,
-                    hidden, rd, eps, False, True, BN_U, BK_U, STAGES, PREFETCH)
+                    eps, False, False, BN_O_V, BK_O_V, STAGES, PREFETCH)
+        _stamp(trace_ptr, rank, s0 + 5, NS, TRACE)
+        _gemv_stage(ctr_ptr, rank, P, s0 + 5, s0 + 4, tl.cdiv(ro, BN_O_V), t_ptr, _weight(w_ptr, mp, 5), x_ptr,
+                    hidden, ro, eps, False, True, BN_O_U, BK_O_U, STAGES_U, PREFETCH)
+        _stamp(trace_ptr, rank, s0 + 6, NS, TRACE)
+        _gemv_stage(ctr_ptr, rank, P, s0 + 6, s0 + 5, tl.cdiv(hidden, BN_O_U), x_ptr, _weight(w_ptr, mp, 6), t_ptr,
+                    rg + ru, hidden, eps, True, False, BN_GATE_UP_V, BK_GATE_UP_V, STAGES, PREFETCH)
+        _stamp(trace_ptr, rank, s0 + 7, NS, TRACE)
+        _gate_up_stage(ctr_ptr, rank, P, s0 + 7, s0 + 6, tl.cdiv(rg + ru, BN_GATE_UP_V), t_ptr, _weight(w_ptr, mp, 7),
+                       _weight(w_ptr, mp, 8), m_ptr, inter, rg, ru, BN_GATE_UP_U, BK_GATE_UP_U, STAGES_U, PREFETCH)
+        _stamp(trace_ptr, rank, s0 + 8, NS, TRACE)
+        _gemv_stage(ctr_ptr, rank, P, s0 + 8, s0 + 7, tl.cdiv(inter, BN_GATE_UP_U), m_ptr, _weight(w_ptr, mp, 9),
+                    t_ptr, rd, inter, eps, False, False, BN_DOWN_V, BK_DOWN_V, STAGES, PREFETCH)
+        _stamp(trace_ptr, rank, s0 + 9, NS, TRACE)
+        _gemv_stage(ctr_ptr, rank, P, s0 + 9, s0 + 8, tl.cdiv(rd, BN_DOWN_V), t_ptr, _weight(w_ptr, mp, 10), x_ptr,
+                    hidden, rd, eps, False, True, BN_DOWN_U, BK_DOWN_U, STAGES_U, PREFETCH)
     # final norm (folded into the head's columns) + LM head, fp32 logits
-    _gemv_stage(ctr_ptr, rank, P, NS - 1, NS - 2, hidden_items, x_ptr, head_ptr, logits_ptr, vocab, hidden, eps, True,
-                False, BN_V, BK_V, STAGES, PREFETCH)
+    _stamp(trace_ptr, rank, NS - 1, NS, TRACE)
+    _gemv_stage(ctr_ptr, rank, P, NS - 1, NS - 2, tl.cdiv(hidden, BN_DOWN_U), x_ptr, head_ptr, logits_ptr, vocab,
+                hidden, eps, True, False, BN_HEAD, BK_HEAD, STAGES, PREFETCH)
+    _stamp(trace_ptr, rank, NS, NS, TRACE)
 
 
 class StepKernel:
@@ -417,6 +510,10 @@ class StepKernel:
         # programs one after the other, so there a single program does every item
         self.grid = (self.sms,)
         self.resident: int | None = None
+        n_stages = len(layers) * SLOTS + 1
+        # (programs, stages + 1) stamps; sized for the most programs an SM could hold (32)
+        self.trace = (torch.zeros(self.sms * 32, n_stages + 1, dtype=torch.int64, device=dev)
+                      if self.kcfg.trace else self.ctr)
 
     def run(self) -> None:
         cfg, b, k = self.cfg, self.b, self.kcfg
@@ -426,16 +523,15 @@ class StepKernel:
         self.ctr.zero_()
         kernel = _step_kernel[self.grid](
             self.base, self.meta, self.head_n, b["x"], b["t"], b["q"], b["a"], b["m"], b["logits"], kc, vc,
-            b["seqlens"], b["cos"], b["sin"], b["mid_o"], b["mid_lse"], self.ctr,
+            b["seqlens"], b["cos"], b["sin"], b["mid_o"], b["mid_lse"], self.ctr, self.trace,
             len(self.meta), cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,
             kc.stride(0), kc.stride(2), kc.stride(3), float(cfg.rms_norm_eps), math.log2(math.e) / math.sqrt(D),
             H=H, HKV=HKV, HALF=D // 2, D_PAD=triton.next_power_of_2(D), NUM_SPLITS=self.num_splits,
             SPLITS_PAD=triton.next_power_of_2(self.num_splits), BLOCK_H=max(16, triton.next_power_of_2(H // HKV)),
-            ATT_BLOCK_N=64 if on_gpu else 16, DOT_PREC="ieee" if kc.dtype == torch.float32 else "tf32",
-            BN_V=k.v_rows if on_gpu else 16, BK_V=k.v_width if on_gpu else 64,
-            BN_U=min(k.u_rows if on_gpu else 16, triton.next_power_of_2(D // 2)), BK_U=k.u_width if on_gpu else 64,
-            STAGES=k.stages if on_gpu else 1, PREFETCH=k.prefetch if on_gpu else 0,
-            num_warps=k.num_warps if on_gpu else 1)
+            ATT_BLOCK_N=k.att_block_n if on_gpu else 16, DOT_PREC="ieee" if kc.dtype == torch.float32 else "tf32",
+            **k.constexprs(on_gpu, D // 2), STAGES=k.stages if on_gpu else 1,
+            STAGES_U=k.u_stages if on_gpu else 1, PREFETCH=k.prefetch if on_gpu else 0, TRACE=k.trace and on_gpu,
+            num_warps=k.num_warps if on_gpu else 1, **({"maxnreg": k.maxnreg} if on_gpu and k.maxnreg else {}))
         if on_gpu and self.resident is None:
             # items are dealt to programs statically, so a program may wait on any other's items: every program
             # must be resident at once. Cap the grid at what fits (registers, shared memory, warps per SM).

@@ -196,13 +196,12 @@ def test_one_launch_step_matches_eager(kind, splits):
     assert dec.step_kernel.grid == (1,) and ctr[0] == 1
     H, Hkv, D = CFG.num_attention_heads, CFG.num_key_value_heads, CFG.head_dim
     L0 = dec.layers[0]
-    v = lambda rows: -(-rows // 16)  # noqa: E731  (on CPU, 16 rows a V-stage item,
-    u = lambda rows: -(-rows // 8)  # noqa: E731  and D / 2 = 8 a U-stage item)
-    first = [v(sum(L0.qkv_split)), H + 2 * Hkv, Hkv * splits, H if splits > 1 else 0, v(L0.proj["o"].rank),
-             u(CFG.hidden_size), v(sum(L0.gu_split)), u(CFG.intermediate_size), v(L0.proj["down"].rank),
-             u(CFG.hidden_size)]
+    items = lambda rows, n: -(-rows // n)  # noqa: E731  rows an item on CPU: StepKernelConfig.constexprs
+    first = [items(sum(L0.qkv_split), 16), (H + 2 * Hkv) * items(D // 2, 8), Hkv * splits, H if splits > 1 else 0,
+             items(L0.proj["o"].rank, 8), items(CFG.hidden_size, 16), items(sum(L0.gu_split), 16),
+             items(CFG.intermediate_size, 16), items(L0.proj["down"].rank, 4), items(CFG.hidden_size, 8)]
     assert ctr[1:11] == first
-    assert ctr[-1] == v(CFG.vocab_size)  # the head
+    assert ctr[-1] == items(CFG.vocab_size, 16)  # the head
 
 
 def test_one_launch_refuses_what_it_cannot_run():
@@ -215,13 +214,18 @@ def test_one_launch_refuses_what_it_cannot_run():
         FastDecoder(_model("mixed"), DecodeConfig(batch_size=1, max_seq_len=40, graph="none", one_launch=True))
     # the default picks it only where it was measured: a Hopper GPU (never on CPU)
     assert FastDecoder(_model("uneven"), DecodeConfig(batch_size=1, max_seq_len=40, graph="none")).step_kernel is None
-    # tiles narrow enough for L1-allocating copies (stale reads), odd prefetch counts, unpadded ranks, misalignment
+    # tiles narrow enough for L1-allocating copies (stale reads), negative prefetch or register caps, unpadded
+    # ranks, misalignment
     with pytest.raises(ValueError, match="too narrow"):
-        StepKernelConfig(v_width=512, num_warps=4)
+        StepKernelConfig(qkv_v=(2, 512), num_warps=4)
     with pytest.raises(ValueError, match="too narrow"):
-        StepKernelConfig(u_width=512, num_warps=8)
-    with pytest.raises(ValueError, match="power of two"):
-        StepKernelConfig(prefetch=3)
+        StepKernelConfig(num_warps=8)  # U tiles of 512 columns
+    with pytest.raises(ValueError, match="powers of two"):
+        StepKernelConfig(down_v=(3, 4096))
+    with pytest.raises(ValueError, match="prefetch"):
+        StepKernelConfig(prefetch=-1)
+    with pytest.raises(ValueError, match="maxnreg"):
+        StepKernelConfig(maxnreg=300)
     w = torch.zeros(64, dtype=torch.bfloat16)
     check_aligned([w], [16, 32])
     with pytest.raises(ValueError, match="multiples of 16"):

@@ -66,10 +66,10 @@ class DecodeConfig:
     greedy: bool = False
     # B = 1: the whole step in one persistent launch (kernels/step_kernel.py: stages ordered by counters on the
     # device instead of kernel boundaries). None = the measured winner: on at B = 1 on a Hopper-or-newer GPU when
-    # every layer is factorized with ranks padded to 16 (3.173 vs 3.228 ms/token on the H200, decode.md), else off
+    # every layer is factorized with ranks padded to 16 (3.010 vs 3.225 ms/token on the H200, decode.md), else off
     one_launch: bool | None = None
-    # its StepKernelConfig fields in order (programs per SM, V rows, V width, U rows, U width, pipeline depth,
-    # warps, L2-prefetched tiles); None = the defaults
+    # its StepKernelConfig fields in declaration order (kernels/step_kernel.py: programs per SM, item rows and
+    # widths, pipeline depths, warps, L2-prefetched tiles, ...); None = the defaults
     one_launch_tiles: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -235,6 +235,13 @@ class FastDecoder:
                    [l.proj[p].rank or 0 for l in self.layers for p in ("o", "down")] + [1])
         self.t = z(B, rmax, dtype=torch.float32)  # rank-space scratch, fp32
         self.logits = z(B, cfg.vocab_size, dtype=torch.float32)
+        one_launch = self.use_triton and self._one_launch(dcfg, dev)
+        if one_launch and not dcfg.num_splits:
+            # one persistent launch: attention items share the step's programs, so split the keys finer (a split of
+            # >= 64 keys, one tile): 4 splits at 256 cached keys measured 3.093 -> 3.045 ms (bench/step_trace.py)
+            # and no more items than the kernel's programs (two an SM) take in one round
+            self.num_splits = min(self._k["attn"].default_num_splits(dcfg.max_seq_len, B, Hkv, self.sms, min_keys=64),
+                                  max(1, 2 * self.sms // (B * Hkv)))
         if self.use_triton:
             self.mid_o = z(B, H, self.num_splits, D, dtype=torch.float32)
             self.mid_lse = z(B, H, self.num_splits, dtype=torch.float32)
@@ -243,7 +250,7 @@ class FastDecoder:
         self._plan_splits(dev)
         self._graphs: list[torch.cuda.CUDAGraph] | None = None
         self.step_kernel = None
-        if self._one_launch(dcfg, dev):
+        if one_launch:
             _sk = self._k["step"]
             bufs = dict(x=self.x, t=self.t, q=self.q, a=self.a, m=self.m, logits=self.logits, k_cache=self.cache.k,
                         v_cache=self.cache.v, seqlens=self.cache.seqlens, cos=self.cos, sin=self.sin,
