@@ -1,0 +1,54 @@
+"""bench/step_trace.py's analysis of one-launch stage stamps (synthetic stamps; the stamping itself needs a GPU)."""
+
+import torch
+
+from rankserve.bench.step_trace import analyse, markdown, parse_value
+
+
+def _stamps(P: int, n_layers: int, busy, merge: bool = False) -> torch.Tensor:
+    """(P, stages + 1) stamps in ns, as the kernel takes them: a program stamps a stage on arriving (before its wait),
+    starts working when the previous stage is complete (its slowest program departed) and departs 1000 ns later,
+    or busy[(p, s)] ns; merge slots are unstamped unless asked (one attention split)."""
+    NS = n_layers * 10 + 1
+    t = torch.zeros(P, NS + 1, dtype=torch.int64)
+    arrive = torch.full((P,), 5000, dtype=torch.int64)
+    ready = 5000  # when the previous stage completed
+    for s in range(NS + 1):
+        if s % 10 == 3 and s < NS - 1 and not merge:
+            continue
+        t[:, s] = arrive
+        if s == NS:
+            break
+        work = torch.tensor([busy.get((p, s), 1000) for p in range(P)])
+        arrive = torch.maximum(arrive, torch.full_like(arrive, ready)) + work  # departure = next stage's arrival
+        ready = int(arrive.max())
+    return t
+
+
+def test_analyse_splits_spans_into_work_and_tail():
+    P = 4
+    t = _stamps(P, 2, {(0, 0): 3000, (1, 10): 2000})  # program 0 slow in layer 0's qkv V, 1 in layer 1's
+    res = analyse(t, P, [1e6] * 21)
+    k = res["kinds"]
+    assert "merge" not in k and set(k) == {"qkv V", "qkv U", "attention", "o V", "o U", "gate/up V", "gate/up U",
+                                           "down V", "down U", "head"}
+    assert k["qkv V"]["stages"] == 2
+    assert abs(k["qkv V"]["span_us"] - 5.0) < 1e-9  # 3 + 2 us
+    assert abs(k["qkv V"]["median_work_us"] - 2.0) < 1e-9  # 1 + 1 us
+    assert abs(k["qkv V"]["tail_us"] - 3.0) < 1e-9
+    assert abs(k["head"]["span_us"] - 1.0) < 1e-9 and k["head"]["stages"] == 1
+    # attention's span runs to o V (the merge slot is skipped at one split): 1 us per layer
+    assert abs(k["attention"]["span_us"] - 2.0) < 1e-9
+    assert abs(k["qkv V"]["TB_s_over_span"] - 2e6 / 5e-6 / 1e12) < 1e-12
+    assert abs(res["step_us"] - sum(v["span_us"] for v in k.values())) < 1e-9
+
+
+def test_markdown_and_config_values():
+    P = 2
+    res = {"configs": {"a": dict(ms=1.0, **analyse(_stamps(P, 1, {}), P, [1e6] * 11)),
+                       "b": dict(ms=1.1, **analyse(_stamps(P, 1, {}, merge=True), P, [1e6] * 11)),
+                       "broken": dict(error="x")}}
+    md = markdown(res, ["a", "b", "broken"])
+    assert md.splitlines()[0].count("span / work / tail") == 2  # configs without stamps are left out
+    assert "| merge | 1 | — | 1 / 1 / 0, 1.00 |" in md
+    assert parse_value("16x512") == (16, 512) and parse_value("3") == 3 and parse_value("none") is None
