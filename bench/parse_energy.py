@@ -1,8 +1,8 @@
 """Closed-form energy routing on the reference model: does a prompt's own component energies pick better subsets?
 
 For each routed matrix, component i's output energy on a set of tokens is ‖U[:, i]‖² · mean_t (V[i] · x_t)².
-Score s_i = λ · (its energy on the prompt's first `prompt_len` tokens) + (1 − λ) · (its energy on WikiText-2 valid,
-the static baseline's calibration text), top-K per matrix; λ = 0 is a calibration-only order, λ = 1 the prompt
+Score s_i = λ · (its energy on the prompt's first `prompt_len` tokens) + (1 − λ) · (its energy on `--prior-text`,
+by default WikiText-2 valid, the static baseline's calibration text), top-K per matrix; λ = 0 is a calibration-only order, λ = 1 the prompt
 alone. Scored as bench/parse.py does (prompt → frozen subset → continuation vs the dense model), next to static
 truncation and the checkpoint's trained routers. `--split valid` tunes λ on the second half of WikiText-2 valid
 (the prior uses its first 64 windows); `--split test` is WikiText-2 test.
@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lams", nargs="+", type=float, default=[0.0, 0.25, 0.5])
     ap.add_argument("--split", default="test", choices=["valid", "test"])
     ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--prior-text", default=str(WIKI_VALID),
+                    help="text of the calibration prior (default WikiText-2 valid, the static baseline's calibration; "
+                         "pass the checkpoint's own calibration text when it was calibrated on another)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     loaded = load_cached(a.cache, a.model, a.base, a.tag)
@@ -64,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     valid = WIKI_VALID.read_text()
     energies = Energies(model, routers.k)
     prior: dict[str, torch.Tensor] = {}
-    calib = _windows(valid, tok, 256, 64)  # the prior: every token of 64 valid windows
+    calib = _windows(Path(a.prior_text).read_text(encoding="utf-8", errors="replace"), tok, 256, 64)  # the prior:
+    # every token of its first 64 windows
     for i in range(0, len(calib), 8):
         for n, e in energies(calib[i:i + 8], 256).items():
             prior[n] = prior.get(n, 0) + e.sum(0) / len(calib)
