@@ -20,6 +20,7 @@ Usage: python -m rankserve.bench.step_trace --out step-trace-h200.json [--family
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -87,7 +88,7 @@ def trace_config(model, fields: dict, prompt: int) -> dict:
     for traced in (False, True):
         kcfg = StepKernelConfig(**fields, trace=traced)
         dcfg = DecodeConfig(batch_size=1, max_seq_len=prompt + 128, backend="triton", graph="step", greedy=True,
-                            one_launch=True, one_launch_tiles=tuple(getattr(kcfg, f) for f in kcfg.__dataclass_fields__),
+                            one_launch=True, one_launch_tiles=dataclasses.astuple(kcfg),
                             num_splits=splits)
         dec = FastDecoder(model, dcfg)
         ms = time_fast(dec, prompt, 64, 5)

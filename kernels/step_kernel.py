@@ -259,9 +259,9 @@ def _qkv_u_stage(ctr_ptr, rank, P, sid, prev, prev_items, t_ptr, w_ptr, off_q, o
     mine = _mine((H + 2 * HKV) * NC, rank, P)
     for j in tl.static_range(PREFETCH):
         i, kc, _ = _position(j, nk, rank, P)
-        u_ptr, r, t_off, head, rows, mask_d, p = _qkv_item(i, w_ptr, off_q, off_k, off_v, rq, rk, rv, H, HKV, HALF,
-                                                           BLOCK_D)
-        ok = mask_d & (j < mine * nk)
+        u_ptr, r, t_off, head, offs_d, p = _qkv_item(i, w_ptr, off_q, off_k, off_v, rq, rk, rv, H, HKV, BLOCK_D, NC)
+        rows = head * (2 * HALF) + offs_d
+        ok = (offs_d < HALF) & (j < mine * nk)
         _prefetch_tile(u_ptr, rows, ok, r, kc * BLOCK_K, BLOCK_K)
         _prefetch_tile(u_ptr, rows + HALF, ok, r, kc * BLOCK_K, BLOCK_K)
     _wait(ctr_ptr, prev, prev_items, mine > 0)
@@ -269,9 +269,9 @@ def _qkv_u_stage(ctr_ptr, rank, P, sid, prev, prev_items, t_ptr, w_ptr, off_q, o
     y2 = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for j in tl.range(0, mine * nk, num_stages=STAGES):
         i, kc, last = _position(j, nk, rank, P)
-        u_ptr, r, t_off, head, rows, mask_d, p = _qkv_item(i, w_ptr, off_q, off_k, off_v, rq, rk, rv, H, HKV, HALF,
-                                                           BLOCK_D)
-        offs_d = (i % NC) * BLOCK_D + tl.arange(0, BLOCK_D)
+        u_ptr, r, t_off, head, offs_d, p = _qkv_item(i, w_ptr, off_q, off_k, off_v, rq, rk, rv, H, HKV, BLOCK_D, NC)
+        rows = head * (2 * HALF) + offs_d  # dims d of the head; their RoPE partners are rows + HALF
+        mask_d = offs_d < HALF
         offs_k = kc * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_k = offs_k < r
         mask_w = mask_d[:, None] & mask_k[None, :]
@@ -291,9 +291,8 @@ def _qkv_u_stage(ctr_ptr, rank, P, sid, prev, prev_items, t_ptr, w_ptr, off_q, o
             mask_q = mask_d & (seg < H)
             mask_kc = mask_d & (seg >= H) & (seg < H + HKV)
             mask_v = mask_d & (seg >= H + HKV)
-            q_off = head * (2 * HALF) + offs_d
-            tl.store(q_ptr + q_off, o1.to(q_ptr.dtype.element_ty), mask=mask_q)
-            tl.store(q_ptr + q_off + HALF, o2.to(q_ptr.dtype.element_ty), mask=mask_q)
+            tl.store(q_ptr + rows, o1.to(q_ptr.dtype.element_ty), mask=mask_q)
+            tl.store(q_ptr + rows + HALF, o2.to(q_ptr.dtype.element_ty), mask=mask_q)
             c_off = pos.to(tl.int64) * stride_ks + head * stride_kh + offs_d
             tl.store(kc_ptr + c_off, o1.to(kc_ptr.dtype.element_ty), mask=mask_kc)
             tl.store(kc_ptr + c_off + HALF, o2.to(kc_ptr.dtype.element_ty), mask=mask_kc)
@@ -305,10 +304,10 @@ def _qkv_u_stage(ctr_ptr, rank, P, sid, prev, prev_items, t_ptr, w_ptr, off_q, o
 
 
 @triton.jit
-def _qkv_item(i, w_ptr, off_q, off_k, off_v, rq, rk, rv, H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
-              BLOCK_D: tl.constexpr):
-    """Item i of the q/k/v U stage: (its U, rank, offset into t, head, rows d of the half-head chunk, mask, part p)."""
-    NC: tl.constexpr = (HALF + BLOCK_D - 1) // BLOCK_D
+def _qkv_item(i, w_ptr, off_q, off_k, off_v, rq, rk, rv, H: tl.constexpr, HKV: tl.constexpr, BLOCK_D: tl.constexpr,
+              NC: tl.constexpr):
+    """Item i of the q/k/v U stage (NC chunks a half-head): its U, rank, offset into t, head, the chunk's dims d of
+    the half-head and part p (q heads, then k, then v)."""
     p = i // NC
     is_q = p < H
     is_k = (p >= H) & (p < H + HKV)
@@ -316,8 +315,7 @@ def _qkv_item(i, w_ptr, off_q, off_k, off_v, rq, rk, rv, H: tl.constexpr, HKV: t
     r = tl.where(is_q, rq, tl.where(is_k, rk, rv))
     u_ptr = w_ptr + tl.where(is_q, off_q, tl.where(is_k, off_k, off_v))
     t_off = tl.where(is_q, 0, tl.where(is_k, rq, rq + rk))
-    offs_d = (i % NC) * BLOCK_D + tl.arange(0, BLOCK_D)
-    return u_ptr, r, t_off, head, head * (2 * HALF) + offs_d, offs_d < HALF, p
+    return u_ptr, r, t_off, head, (i % NC) * BLOCK_D + tl.arange(0, BLOCK_D), p
 
 
 @triton.jit
@@ -511,7 +509,8 @@ class StepKernel:
         self.grid = (self.sms,)
         self.resident: int | None = None
         n_stages = len(layers) * SLOTS + 1
-        # (programs, stages + 1) stamps; sized for the most programs an SM could hold (32)
+        # (programs, stages + 1) stamps, sized for the most programs an SM could hold (32); untraced, the kernel
+        # never touches it and gets the counters as a placeholder pointer
         self.trace = (torch.zeros(self.sms * 32, n_stages + 1, dtype=torch.int64, device=dev)
                       if self.kcfg.trace else self.ctr)
 

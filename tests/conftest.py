@@ -10,11 +10,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+_EXIT = pytest.StashKey[int]()
+
+
 def pytest_sessionfinish(session, exitstatus):
     session.config.stash[_EXIT] = int(exitstatus)
-
-
-_EXIT = pytest.StashKey[int]()
 
 
 @pytest.hookimpl(trylast=True)

@@ -235,13 +235,14 @@ class FastDecoder:
                    [l.proj[p].rank or 0 for l in self.layers for p in ("o", "down")] + [1])
         self.t = z(B, rmax, dtype=torch.float32)  # rank-space scratch, fp32
         self.logits = z(B, cfg.vocab_size, dtype=torch.float32)
-        one_launch = self.use_triton and self._one_launch(dcfg, dev)
-        if one_launch and not dcfg.num_splits:
+        kcfg = (self._k["step"].StepKernelConfig(*(dcfg.one_launch_tiles or ()))
+                if self.use_triton and self._one_launch(dcfg, dev) else None)
+        if kcfg is not None and not dcfg.num_splits:
             # one persistent launch: attention items share the step's programs, so split the keys finer (a split of
             # >= 64 keys, one tile): 4 splits at 256 cached keys measured 3.093 -> 3.045 ms (bench/step_trace.py)
-            # and no more items than the kernel's programs (two an SM) take in one round
+            # and no more items than the kernel's programs take in one round
             self.num_splits = min(self._k["attn"].default_num_splits(dcfg.max_seq_len, B, Hkv, self.sms, min_keys=64),
-                                  max(1, 2 * self.sms // (B * Hkv)))
+                                  max(1, kcfg.programs_per_sm * self.sms // (B * Hkv)))
         if self.use_triton:
             self.mid_o = z(B, H, self.num_splits, D, dtype=torch.float32)
             self.mid_lse = z(B, H, self.num_splits, dtype=torch.float32)
@@ -250,12 +251,11 @@ class FastDecoder:
         self._plan_splits(dev)
         self._graphs: list[torch.cuda.CUDAGraph] | None = None
         self.step_kernel = None
-        if one_launch:
+        if kcfg is not None:
             _sk = self._k["step"]
             bufs = dict(x=self.x, t=self.t, q=self.q, a=self.a, m=self.m, logits=self.logits, k_cache=self.cache.k,
                         v_cache=self.cache.v, seqlens=self.cache.seqlens, cos=self.cos, sin=self.sin,
                         mid_o=self.mid_o, mid_lse=self.mid_lse)
-            kcfg = _sk.StepKernelConfig(*(dcfg.one_launch_tiles or ()))
             self.step_kernel = _sk.StepKernel(self.layers, self.head_n, bufs, cfg, self.num_splits, kcfg)
 
     def _one_launch(self, dcfg: DecodeConfig, dev: torch.device) -> bool:
