@@ -130,9 +130,11 @@ def markdown(res: dict, names: list[str]) -> str:
 
 
 def parse_value(v: str):
-    """A --config value: none, an int, or a tile ROWSxWIDTH."""
+    """A --config value: none, true / false, an int, or a tile ROWSxWIDTH."""
     if v == "none":
         return None
+    if v in ("true", "false"):
+        return v == "true"
     if "x" in v:
         rows, width = v.split("x")
         return int(rows), int(width)

@@ -108,23 +108,32 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_seqlens_ptr, mid_o_ptr, mid_
         cnt_ptr = counter_ptr + b * tl.num_programs(1) + hk
         done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
         if done == NUM_SPLITS - 1:
-            offs_s = tl.arange(0, SPLITS_PAD)
-            mask_s = offs_s < NUM_SPLITS
-            lse_all = tl.load(mid_lse_ptr + b * stride_lb + offs_h[:, None] * stride_lh + offs_s[None, :],
-                              mask=mask_g[:, None] & mask_s[None, :], other=float("-inf"),
-                              cache_modifier=".cg")  # (BLOCK_H, SPLITS_PAD), read from L2: other SMs wrote it
-            m = tl.where(mask_g, tl.max(lse_all, axis=1), 0.0)  # split 0 is never empty
-            w = tl.exp2(lse_all - m[:, None])  # 0 for empty splits
-            merged = tl.zeros((BLOCK_H, D_PAD), dtype=tl.float32)
-            for s in range(NUM_SPLITS):
-                o_s = tl.load(mid_o_ptr + b * stride_mb + offs_h[:, None] * stride_mh + s * stride_ms + offs_d[None, :],
-                              mask=mask_g[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
-                w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), axis=1)  # (BLOCK_H,)
-                merged += w_s[:, None] * o_s
-            merged = merged / tl.where(mask_g, tl.sum(w, axis=1), 1.0)[:, None]
+            merged = merge_group(mid_o_ptr + b * stride_mb, mid_lse_ptr + b * stride_lb, stride_mh, stride_ms,
+                                 stride_lh, offs_h, mask_g, offs_d, mask_d, BLOCK_H, D_PAD, NUM_SPLITS, SPLITS_PAD)
             tl.store(out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
                      merged.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
             tl.atomic_xchg(cnt_ptr, 0)  # ready for the next step
+
+
+@triton.jit
+def merge_group(o_ptr, lse_ptr, stride_oh, stride_os, stride_lh, offs_h, mask_g, offs_d, mask_d,
+                BLOCK_H: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """Outputs of query heads offs_h (BLOCK_H,) from their splits' partials: o at o_ptr + h * stride_oh + s *
+    stride_os, lse at lse_ptr + h * stride_lh + s -> (BLOCK_H, D_PAD) fp32. Other programs wrote the partials: read
+    from L2 (.cg). Split 0 is never empty."""
+    offs_s = tl.arange(0, SPLITS_PAD)
+    mask_s = offs_s < NUM_SPLITS
+    lse_all = tl.load(lse_ptr + offs_h[:, None] * stride_lh + offs_s[None, :], mask=mask_g[:, None] & mask_s[None, :],
+                      other=float("-inf"), cache_modifier=".cg")  # (BLOCK_H, SPLITS_PAD)
+    m = tl.where(mask_g, tl.max(lse_all, axis=1), 0.0)
+    w = tl.exp2(lse_all - m[:, None])  # 0 for empty splits
+    merged = tl.zeros((BLOCK_H, D_PAD), dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        o_s = tl.load(o_ptr + offs_h[:, None] * stride_oh + s * stride_os + offs_d[None, :],
+                      mask=mask_g[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
+        w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), axis=1)  # (BLOCK_H,)
+        merged += w_s[:, None] * o_s
+    return merged / tl.where(mask_g, tl.sum(w, axis=1), 1.0)[:, None]
 
 
 @triton.jit

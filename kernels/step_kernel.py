@@ -10,9 +10,10 @@ own first weight bytes (decode.md). Here one launch walks every stage of every l
 Scheduling. A stage is a list of items (a block of weight rows, a RoPE head chunk, a kv head), dealt to programs
 by rank: rank r takes items r, r + P, r + 2P, ... (P programs; ranks drawn from an atomic ticket as programs
 start). A program with items in a stage first asks L2 for its first weight tiles, then waits until the previous
-stage's done counter reaches that stage's item count (an acquiring read), then runs one software-pipelined loop
-over (its items x tiles of K), so the weight stream stays `stages - 1` tiles ahead through shared memory across
-item boundaries; at the end it adds its item count to the stage's done counter (release). A program may wait on
+stage's done counter reaches P (an acquiring read), then runs one software-pipelined loop over (its items x tiles
+of K), so the weight stream stays `stages - 1` tiles ahead through shared memory across item boundaries; at the
+end every program, items or not, adds 1 to the stage's done counter (release). With several attention splits the
+last split of a kv head to finish merges the head's partials (a counter per layer and kv head), not a stage. A program may wait on
 any other's items, so all P must be resident at once: StepKernel caps P at the compiled kernel's occupancy
 (registers, shared memory), and under the CPU interpreter, which runs programs one after the other, P = 1.
 Other work on the GPU only delays programs (they start as it drains); a GPU whose SMs are partitioned (MPS limits)
@@ -41,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rankserve.kernels.decode_attention import attend, merge_splits
+from rankserve.kernels.decode_attention import attend, merge_group, merge_splits
 
 PAD = tl.constexpr(32)  # int32 counters a 128-byte line apart (no false sharing between stages)
 # stage slots a layer: qkv V, qkv U, attention, merge, o V, o U, gate/up V, gate/up U, down V, down U
@@ -83,6 +84,9 @@ class StepKernelConfig:
     # diagnostics: every program stamps the global timer (ns) as it reaches each stage, into StepKernel.trace
     # (programs x stages + 1); bench/step_trace.py turns the stamps into per-stage span / work / tail times
     trace: bool = False
+    # several attention splits: the last split of a kv head to finish merges them (a per-head counter) instead of
+    # a merge stage after the attention stage
+    fused_merge: bool = True
 
     def __post_init__(self) -> None:
         # activations written in this launch must be read around L1 (cp.async.cg: 16 bytes a thread); narrower
@@ -119,22 +123,22 @@ class StepKernelConfig:
 
 
 @triton.jit
-def _wait(ctr_ptr, prev, prev_items, first):
-    """Before a program's first item of a stage: spin until stage prev's done counter reaches prev_items, then
-    acquire its items' writes."""
+def _wait(ctr_ptr, prev, target, first):
+    """Before a program's first item of a stage: spin until stage prev's done counter reaches target (the
+    programs, P; 0: wait for nothing), then acquire their writes."""
     if first:
         done_ptr = ctr_ptr + (prev + 1) * PAD
         # an acquiring read (one thread; the add of 0 compiles to ld.acquire.gpu): one L2 round trip a poll
-        while tl.atomic_add(done_ptr, 0, sem="acquire") < prev_items:
+        while tl.atomic_add(done_ptr, 0, sem="acquire") < target:
             pass
 
 
 @triton.jit
-def _leave(ctr_ptr, sid, n_done):
-    """Count this program's items of stage sid as done (release: its stores are visible to the acquirers)."""
-    if n_done > 0:
-        tl.debug_barrier()  # every thread's stores issued before the release
-        tl.atomic_add(ctr_ptr + (sid + 1) * PAD, n_done, sem="release")
+def _leave(ctr_ptr, sid):
+    """Count this program done with stage sid (release: its stores are visible to the acquirers). Every program
+    counts itself, items or not: a stage is complete when its counter reaches P."""
+    tl.debug_barrier()  # every thread's stores issued before the release
+    tl.atomic_add(ctr_ptr + (sid + 1) * PAD, 1, sem="release")
 
 
 @triton.jit
@@ -176,7 +180,7 @@ def _mine(n, rank, P):
 
 
 @triton.jit
-def _gemv_stage(ctr_ptr, rank, P, sid, prev, prev_items, x_ptr, w_ptr, y_ptr, N, K, eps,
+def _gemv_stage(ctr_ptr, rank, P, sid, prev, target, x_ptr, w_ptr, y_ptr, N, K, eps,
                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 STAGES: tl.constexpr, PREFETCH: tl.constexpr):
     """y[n] (+)= sum_k w[n, k] x[k] for n < N, BLOCK_N rows an item; RESIDUAL adds into y (each row one owner).
@@ -187,7 +191,7 @@ def _gemv_stage(ctr_ptr, rank, P, sid, prev, prev_items, x_ptr, w_ptr, y_ptr, N,
     mine = _mine(tl.cdiv(N, BLOCK_N), rank, P)
     if PREFETCH > 0:
         _l2_prefetch(w_ptr, rank, P, mine, nk, N, K, BLOCK_N, BLOCK_K, PREFETCH)
-    _wait(ctr_ptr, prev, prev_items, mine > 0)
+    _wait(ctr_ptr, prev, target, mine > 0)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     ss = 0.0
     for j in tl.range(0, mine * nk, num_stages=STAGES):
@@ -211,11 +215,11 @@ def _gemv_stage(ctr_ptr, rank, P, sid, prev, prev_items, x_ptr, w_ptr, y_ptr, N,
             tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
         acc = tl.where(last, 0.0, acc)
         ss = tl.where(last, 0.0, ss)
-    _leave(ctr_ptr, sid, mine)
+    _leave(ctr_ptr, sid)
 
 
 @triton.jit
-def _gate_up_stage(ctr_ptr, rank, P, sid, prev, prev_items, t_ptr, ug_ptr, uu_ptr, m_ptr, N, rg, ru,
+def _gate_up_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, ug_ptr, uu_ptr, m_ptr, N, rg, ru,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr):
     """m[n] = silu(Ug[n] . t[:rg]) * (Uu[n] . t[rg:]) for n < N (pipelined as _gemv_stage)."""
     nk = tl.cdiv(tl.maximum(rg, ru), BLOCK_K)
@@ -223,7 +227,7 @@ def _gate_up_stage(ctr_ptr, rank, P, sid, prev, prev_items, t_ptr, ug_ptr, uu_pt
     if PREFETCH > 0:
         _l2_prefetch(ug_ptr, rank, P, mine, nk, N, rg, BLOCK_N, BLOCK_K, PREFETCH)
         _l2_prefetch(uu_ptr, rank, P, mine, nk, N, ru, BLOCK_N, BLOCK_K, PREFETCH)
-    _wait(ctr_ptr, prev, prev_items, mine > 0)
+    _wait(ctr_ptr, prev, target, mine > 0)
     g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for j in tl.range(0, mine * nk, num_stages=STAGES):
@@ -243,11 +247,11 @@ def _gate_up_stage(ctr_ptr, rank, P, sid, prev, prev_items, t_ptr, ug_ptr, uu_pt
             tl.store(m_ptr + offs_n, (g / (1.0 + tl.exp(-g)) * u).to(m_ptr.dtype.element_ty), mask=mask_n)
         g = tl.where(last, 0.0, g)
         u = tl.where(last, 0.0, u)
-    _leave(ctr_ptr, sid, mine)
+    _leave(ctr_ptr, sid)
 
 
 @triton.jit
-def _qkv_u_stage(ctr_ptr, rank, P, sid, prev, prev_items, t_ptr, w_ptr, off_q, off_k, off_v, rq, rk, rv,
+def _qkv_u_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, w_ptr, off_q, off_k, off_v, rq, rk, rv,
                  cos_ptr, sin_ptr, pos, q_ptr, kc_ptr, vc_ptr, stride_ks, stride_kh,
                  H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr):
@@ -264,7 +268,7 @@ def _qkv_u_stage(ctr_ptr, rank, P, sid, prev, prev_items, t_ptr, w_ptr, off_q, o
         ok = (offs_d < HALF) & (j < mine * nk)
         _prefetch_tile(u_ptr, rows, ok, r, kc * BLOCK_K, BLOCK_K)
         _prefetch_tile(u_ptr, rows + HALF, ok, r, kc * BLOCK_K, BLOCK_K)
-    _wait(ctr_ptr, prev, prev_items, mine > 0)
+    _wait(ctr_ptr, prev, target, mine > 0)
     y1 = tl.zeros((BLOCK_D,), dtype=tl.float32)
     y2 = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for j in tl.range(0, mine * nk, num_stages=STAGES):
@@ -300,7 +304,7 @@ def _qkv_u_stage(ctr_ptr, rank, P, sid, prev, prev_items, t_ptr, w_ptr, off_q, o
             tl.store(vc_ptr + c_off + HALF, o2.to(vc_ptr.dtype.element_ty), mask=mask_v)
         y1 = tl.where(last, 0.0, y1)
         y2 = tl.where(last, 0.0, y2)
-    _leave(ctr_ptr, sid, mine)
+    _leave(ctr_ptr, sid)
 
 
 @triton.jit
@@ -319,24 +323,26 @@ def _qkv_item(i, w_ptr, off_q, off_k, off_v, rq, rk, rv, H: tl.constexpr, HKV: t
 
 
 @triton.jit
-def _attention_stage(ctr_ptr, rank, P, sid, prev, prev_items, q_ptr, kc_ptr, vc_ptr, stride_ks, stride_kh, seqlen,
-                     a_ptr, mid_o_ptr, mid_lse_ptr, qk_scale, G: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                     D_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+def _attention_stage(ctr_ptr, rank, P, sid, prev, target, q_ptr, kc_ptr, vc_ptr, stride_ks, stride_kh, seqlen,
+                     a_ptr, mid_o_ptr, mid_lse_ptr, head_ctr_ptr, qk_scale, G: tl.constexpr, HKV: tl.constexpr,
+                     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, FUSED_MERGE: tl.constexpr,
                      DOT_PREC: tl.constexpr):
     """Item (kv head hk, split): its query heads over the split's keys; one split writes a (H, D) directly,
-    several write partials mid_o (H, NUM_SPLITS, D) fp32 and mid_lse (H, NUM_SPLITS) for the merge stage."""
+    several write partials mid_o (H, NUM_SPLITS, D) fp32 and mid_lse (H, NUM_SPLITS). FUSED_MERGE: the last of a
+    kv head's splits to finish (a per-head counter, head_ctr_ptr[hk]) merges them into a, so no merge stage
+    (measured on the H200: 3.036 -> 3.000 ms a step, bench/results/step-trace-h200-s7b.json)."""
     i = rank
-    _wait(ctr_ptr, prev, prev_items, i < HKV * NUM_SPLITS)
-    n_done = 0
     split_len = tl.cdiv(tl.cdiv(seqlen, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    offs_d = tl.arange(0, D_PAD)
+    mask_d = offs_d < D
+    _wait(ctr_ptr, prev, target, i < HKV * NUM_SPLITS)
     while i < HKV * NUM_SPLITS:
         hk = i // NUM_SPLITS
         split = i % NUM_SPLITS
         offs_g = tl.arange(0, BLOCK_H)
         mask_g = offs_g < G
         offs_h = hk * G + offs_g  # (BLOCK_H,) query heads of this kv head
-        offs_d = tl.arange(0, D_PAD)
-        mask_d = offs_d < D
         q = tl.load(q_ptr + offs_h[:, None] * D + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :],
                     other=0.0, cache_modifier=".cg")  # (BLOCK_H, D_PAD)
         start = split * split_len
@@ -349,26 +355,29 @@ def _attention_stage(ctr_ptr, rank, P, sid, prev, prev_items, q_ptr, kc_ptr, vc_
         else:
             tl.store(mid_o_ptr + (offs_h[:, None] * NUM_SPLITS + split) * D + offs_d[None, :], o, mask=mask)
             tl.store(mid_lse_ptr + offs_h * NUM_SPLITS + split, lse, mask=mask_g)
-        n_done += 1
+            if FUSED_MERGE:
+                tl.debug_barrier()  # this item's partial stores issued before the counter's release
+                if tl.atomic_add(head_ctr_ptr + hk, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                    out = merge_group(mid_o_ptr, mid_lse_ptr, NUM_SPLITS * D, D, NUM_SPLITS, offs_h, mask_g, offs_d,
+                                      mask_d, BLOCK_H, D_PAD, NUM_SPLITS, SPLITS_PAD)
+                    tl.store(a_ptr + offs_h[:, None] * D + offs_d[None, :], out.to(a_ptr.dtype.element_ty), mask=mask)
         i += P
-    _leave(ctr_ptr, sid, n_done)
+    _leave(ctr_ptr, sid)
 
 
 @triton.jit
-def _merge_stage(ctr_ptr, rank, P, sid, prev, prev_items, mid_o_ptr, mid_lse_ptr, a_ptr, H: tl.constexpr,
+def _merge_stage(ctr_ptr, rank, P, sid, prev, target, mid_o_ptr, mid_lse_ptr, a_ptr, H: tl.constexpr,
                  D: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
     """Item h: head h's output from its splits' partials."""
     i = rank
-    _wait(ctr_ptr, prev, prev_items, i < H)
-    n_done = 0
+    _wait(ctr_ptr, prev, target, i < H)
     while i < H:
         offs_d = tl.arange(0, D_PAD)
         out = merge_splits(mid_o_ptr + i * NUM_SPLITS * D, mid_lse_ptr + i * NUM_SPLITS, D, offs_d, offs_d < D,
                            NUM_SPLITS, SPLITS_PAD)
         tl.store(a_ptr + i * D + offs_d, out.to(a_ptr.dtype.element_ty), mask=offs_d < D)
-        n_done += 1
         i += P
-    _leave(ctr_ptr, sid, n_done)
+    _leave(ctr_ptr, sid)
 
 
 @triton.jit
@@ -410,13 +419,13 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
                  BN_GATE_UP_V: tl.constexpr, BK_GATE_UP_V: tl.constexpr, BN_GATE_UP_U: tl.constexpr,
                  BK_GATE_UP_U: tl.constexpr, BN_DOWN_V: tl.constexpr, BK_DOWN_V: tl.constexpr,
                  BN_DOWN_U: tl.constexpr, BK_DOWN_U: tl.constexpr, BN_HEAD: tl.constexpr, BK_HEAD: tl.constexpr,
-                 STAGES: tl.constexpr, STAGES_U: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr):
+                 FUSED_MERGE: tl.constexpr, STAGES: tl.constexpr, STAGES_U: tl.constexpr,
+                 PREFETCH: tl.constexpr, TRACE: tl.constexpr):
     D: tl.constexpr = 2 * HALF
     NS = L * SLOTS + 1  # stages: SLOTS a layer, then the head
     P = tl.num_programs(0)
     rank = tl.atomic_add(ctr_ptr, 1, sem="relaxed")  # items by arrival order (see StepKernel: all P are resident)
     pos = tl.load(seqlens_ptr)  # the current token's position (row 0)
-    NC: tl.constexpr = (HALF + BN_QKV_U - 1) // BN_QKV_U
     for layer in range(L):
         mp = meta_ptr + layer * 18
         rq, rk, rv = _rank(mp, 11), _rank(mp, 12), _rank(mp, 13)
@@ -427,48 +436,46 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
         vc = vc_ptr + lay * stride_kl
         # x (normed, the norm weight folded into Vqkv) -> t = Vqkv x; layer 0 waits for nothing
         _stamp(trace_ptr, rank, s0, NS, TRACE)
-        _gemv_stage(ctr_ptr, rank, P, s0, tl.maximum(s0 - 1, 0), tl.where(layer == 0, 0, tl.cdiv(hidden, BN_DOWN_U)),
-                    x_ptr, _weight(w_ptr, mp, 0), t_ptr, rq + rk + rv, hidden, eps, True, False, BN_QKV_V, BK_QKV_V,
+        _gemv_stage(ctr_ptr, rank, P, s0, tl.maximum(s0 - 1, 0), tl.where(layer == 0, 0, P), x_ptr,
+                    _weight(w_ptr, mp, 0), t_ptr, rq + rk + rv, hidden, eps, True, False, BN_QKV_V, BK_QKV_V,
                     STAGES, PREFETCH)
         _stamp(trace_ptr, rank, s0 + 1, NS, TRACE)
-        _qkv_u_stage(ctr_ptr, rank, P, s0 + 1, s0, tl.cdiv(rq + rk + rv, BN_QKV_V), t_ptr, w_ptr, _offset(mp, 1),
-                     _offset(mp, 2), _offset(mp, 3), rq, rk, rv, cos_ptr, sin_ptr, pos, q_ptr, kc, vc,
-                     stride_ks, stride_kh, H, HKV, HALF, BN_QKV_U, BK_QKV_U, STAGES_U, PREFETCH)
+        _qkv_u_stage(ctr_ptr, rank, P, s0 + 1, s0, P, t_ptr, w_ptr, _offset(mp, 1), _offset(mp, 2), _offset(mp, 3),
+                     rq, rk, rv, cos_ptr, sin_ptr, pos, q_ptr, kc, vc, stride_ks, stride_kh, H, HKV, HALF, BN_QKV_U,
+                     BK_QKV_U, STAGES_U, PREFETCH)
         _stamp(trace_ptr, rank, s0 + 2, NS, TRACE)
-        _attention_stage(ctr_ptr, rank, P, s0 + 2, s0 + 1, (H + 2 * HKV) * NC, q_ptr, kc, vc, stride_ks, stride_kh,
-                         pos + 1, a_ptr, mid_o_ptr, mid_lse_ptr, qk_scale, H // HKV, HKV, D, D_PAD, BLOCK_H,
-                         ATT_BLOCK_N, NUM_SPLITS, DOT_PREC)
-        if NUM_SPLITS > 1:
+        _attention_stage(ctr_ptr, rank, P, s0 + 2, s0 + 1, P, q_ptr, kc, vc, stride_ks, stride_kh, pos + 1, a_ptr,
+                         mid_o_ptr, mid_lse_ptr, ctr_ptr + (L * SLOTS + 2) * PAD + layer * HKV, qk_scale, H // HKV,
+                         HKV, D, D_PAD, BLOCK_H, ATT_BLOCK_N, NUM_SPLITS, SPLITS_PAD, FUSED_MERGE,
+                         DOT_PREC)
+        o_prev = s0 + 2
+        if NUM_SPLITS > 1 and not FUSED_MERGE:
             _stamp(trace_ptr, rank, s0 + 3, NS, TRACE)
-            _merge_stage(ctr_ptr, rank, P, s0 + 3, s0 + 2, HKV * NUM_SPLITS, mid_o_ptr, mid_lse_ptr, a_ptr, H, D,
-                         D_PAD, NUM_SPLITS, SPLITS_PAD)
+            _merge_stage(ctr_ptr, rank, P, s0 + 3, s0 + 2, P, mid_o_ptr, mid_lse_ptr, a_ptr, H, D, D_PAD, NUM_SPLITS,
+                         SPLITS_PAD)
             o_prev = s0 + 3
-            o_prev_items = H
-        else:
-            o_prev = s0 + 2
-            o_prev_items = HKV
         _stamp(trace_ptr, rank, s0 + 4, NS, TRACE)
-        _gemv_stage(ctr_ptr, rank, P, s0 + 4, o_prev, o_prev_items, a_ptr, _weight(w_ptr, mp, 4), t_ptr, ro, H * D,
-                    eps, False, False, BN_O_V, BK_O_V, STAGES, PREFETCH)
+        _gemv_stage(ctr_ptr, rank, P, s0 + 4, o_prev, P, a_ptr, _weight(w_ptr, mp, 4), t_ptr, ro, H * D, eps, False,
+                    False, BN_O_V, BK_O_V, STAGES, PREFETCH)
         _stamp(trace_ptr, rank, s0 + 5, NS, TRACE)
-        _gemv_stage(ctr_ptr, rank, P, s0 + 5, s0 + 4, tl.cdiv(ro, BN_O_V), t_ptr, _weight(w_ptr, mp, 5), x_ptr,
-                    hidden, ro, eps, False, True, BN_O_U, BK_O_U, STAGES_U, PREFETCH)
+        _gemv_stage(ctr_ptr, rank, P, s0 + 5, s0 + 4, P, t_ptr, _weight(w_ptr, mp, 5), x_ptr, hidden, ro, eps, False,
+                    True, BN_O_U, BK_O_U, STAGES_U, PREFETCH)
         _stamp(trace_ptr, rank, s0 + 6, NS, TRACE)
-        _gemv_stage(ctr_ptr, rank, P, s0 + 6, s0 + 5, tl.cdiv(hidden, BN_O_U), x_ptr, _weight(w_ptr, mp, 6), t_ptr,
-                    rg + ru, hidden, eps, True, False, BN_GATE_UP_V, BK_GATE_UP_V, STAGES, PREFETCH)
+        _gemv_stage(ctr_ptr, rank, P, s0 + 6, s0 + 5, P, x_ptr, _weight(w_ptr, mp, 6), t_ptr, rg + ru, hidden, eps,
+                    True, False, BN_GATE_UP_V, BK_GATE_UP_V, STAGES, PREFETCH)
         _stamp(trace_ptr, rank, s0 + 7, NS, TRACE)
-        _gate_up_stage(ctr_ptr, rank, P, s0 + 7, s0 + 6, tl.cdiv(rg + ru, BN_GATE_UP_V), t_ptr, _weight(w_ptr, mp, 7),
-                       _weight(w_ptr, mp, 8), m_ptr, inter, rg, ru, BN_GATE_UP_U, BK_GATE_UP_U, STAGES_U, PREFETCH)
+        _gate_up_stage(ctr_ptr, rank, P, s0 + 7, s0 + 6, P, t_ptr, _weight(w_ptr, mp, 7), _weight(w_ptr, mp, 8), m_ptr,
+                       inter, rg, ru, BN_GATE_UP_U, BK_GATE_UP_U, STAGES_U, PREFETCH)
         _stamp(trace_ptr, rank, s0 + 8, NS, TRACE)
-        _gemv_stage(ctr_ptr, rank, P, s0 + 8, s0 + 7, tl.cdiv(inter, BN_GATE_UP_U), m_ptr, _weight(w_ptr, mp, 9),
-                    t_ptr, rd, inter, eps, False, False, BN_DOWN_V, BK_DOWN_V, STAGES, PREFETCH)
+        _gemv_stage(ctr_ptr, rank, P, s0 + 8, s0 + 7, P, m_ptr, _weight(w_ptr, mp, 9), t_ptr, rd, inter, eps, False,
+                    False, BN_DOWN_V, BK_DOWN_V, STAGES, PREFETCH)
         _stamp(trace_ptr, rank, s0 + 9, NS, TRACE)
-        _gemv_stage(ctr_ptr, rank, P, s0 + 9, s0 + 8, tl.cdiv(rd, BN_DOWN_V), t_ptr, _weight(w_ptr, mp, 10), x_ptr,
-                    hidden, rd, eps, False, True, BN_DOWN_U, BK_DOWN_U, STAGES_U, PREFETCH)
+        _gemv_stage(ctr_ptr, rank, P, s0 + 9, s0 + 8, P, t_ptr, _weight(w_ptr, mp, 10), x_ptr, hidden, rd, eps, False,
+                    True, BN_DOWN_U, BK_DOWN_U, STAGES_U, PREFETCH)
     # final norm (folded into the head's columns) + LM head, fp32 logits
     _stamp(trace_ptr, rank, NS - 1, NS, TRACE)
-    _gemv_stage(ctr_ptr, rank, P, NS - 1, NS - 2, tl.cdiv(hidden, BN_DOWN_U), x_ptr, head_ptr, logits_ptr, vocab,
-                hidden, eps, True, False, BN_HEAD, BK_HEAD, STAGES, PREFETCH)
+    _gemv_stage(ctr_ptr, rank, P, NS - 1, NS - 2, P, x_ptr, head_ptr, logits_ptr, vocab, hidden, eps, True, False,
+                BN_HEAD, BK_HEAD, STAGES, PREFETCH)
     _stamp(trace_ptr, rank, NS, NS, TRACE)
 
 
@@ -500,8 +507,9 @@ class StepKernel:
         self.meta = torch.tensor(rows, dtype=torch.int64, device=dev)  # (L, 18)
         self.base, self.head_n, self.b, self.cfg = base, head_n, bufs, cfg
         self.num_splits = num_splits
-        # counter 0: rank tickets; then one done counter per stage, PAD apart
-        self.ctr = torch.zeros((len(layers) * SLOTS + 2) * PAD, dtype=torch.int32, device=dev)
+        # counter 0: rank tickets; then one done counter per stage, PAD apart; then a merge counter per (layer, kv head)
+        self.ctr = torch.zeros((len(layers) * SLOTS + 2) * PAD + len(layers) * cfg.num_key_value_heads,
+                               dtype=torch.int32, device=dev)
         self.on_gpu = dev.type == "cuda"
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if self.on_gpu else 1
         # one program an SM until the compiled kernel's occupancy is known (the first run); the interpreter runs
@@ -530,6 +538,7 @@ class StepKernel:
             ATT_BLOCK_N=k.att_block_n if on_gpu else 16, DOT_PREC="ieee" if kc.dtype == torch.float32 else "tf32",
             **k.constexprs(on_gpu, D // 2), STAGES=k.stages if on_gpu else 1,
             STAGES_U=k.u_stages if on_gpu else 1, PREFETCH=k.prefetch if on_gpu else 0, TRACE=k.trace and on_gpu,
+            FUSED_MERGE=k.fused_merge,
             num_warps=k.num_warps if on_gpu else 1, **({"maxnreg": k.maxnreg} if on_gpu and k.maxnreg else {}))
         if on_gpu and self.resident is None:
             # items are dealt to programs statically, so a program may wait on any other's items: every program

@@ -52,3 +52,4 @@ def test_markdown_and_config_values():
     assert md.splitlines()[0].count("span / work / tail") == 2  # configs without stamps are left out
     assert "| merge | 1 | — | 1 / 1 / 0, 1.00 |" in md
     assert parse_value("16x512") == (16, 512) and parse_value("3") == 3 and parse_value("none") is None
+    assert parse_value("false") is False and parse_value("true") is True

@@ -74,7 +74,7 @@ STEP_POINTERS = {"w_ptr": "*bf16", "meta_ptr": "*i64", "head_ptr": "*bf16", "x_p
 STEP_INTS = ("L", "hidden", "inter", "vocab", "stride_kl", "stride_ks", "stride_kh")
 
 
-def compile_step_ptx() -> str:
+def compile_step_ptx(num_splits: int = 4, kind: str = "ptx") -> str:
     """PTX of the one-launch step (kernels/step_kernel.py) for sm90 at the default StepKernelConfig and LLaMA-7B
     heads; pointers and the 16-divisible sizes carry the alignment triton specializes them with on the GPU."""
     import triton
@@ -84,15 +84,15 @@ def compile_step_ptx() -> str:
     from rankserve.kernels.step_kernel import StepKernelConfig, _step_kernel
     k = StepKernelConfig()
     names = list(inspect.signature(_step_kernel.fn).parameters)
-    consts = dict(H=32, HKV=32, HALF=64, D_PAD=128, NUM_SPLITS=1, SPLITS_PAD=1, BLOCK_H=16, ATT_BLOCK_N=64,
-                  DOT_PREC="tf32", STAGES=k.stages, STAGES_U=k.u_stages, PREFETCH=k.prefetch, TRACE=False,
-                  **k.constexprs(True, 64))
+    consts = dict(H=32, HKV=32, HALF=64, D_PAD=128, NUM_SPLITS=num_splits, SPLITS_PAD=num_splits, BLOCK_H=16,
+                  ATT_BLOCK_N=64, DOT_PREC="tf32", STAGES=k.stages, STAGES_U=k.u_stages, PREFETCH=k.prefetch,
+                  TRACE=False, FUSED_MERGE=k.fused_merge, **k.constexprs(True, 64))
     sig = {n: STEP_POINTERS.get(n, "i32" if n in STEP_INTS else "fp32") for n in names if n not in consts}
     sig.update({n: "constexpr" for n in consts})
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in [*STEP_POINTERS, *STEP_INTS[1:]]}
     kern = triton.compile(ASTSource(_step_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": k.num_warps, "num_stages": k.stages})
-    return kern.asm["ptx"]
+    return kern.asm[kind]
 
 
 def test_one_launch_step_reads_activations_around_l1_with_vector_copies():
