@@ -31,8 +31,8 @@ different ranks (Dobi-SVD) or shared bases packed per layer (Basis Sharing); ran
 the compiler as multiples of 16 (checked at build), without which every weight load is a scalar 2-byte load.
 
 Measured on the H200 (decode.md, LLaMA-7B shape, bf16, B = 1, graph replay, greedy argmax in the graph):
-svd-llm keep 0.6 3.010 vs 3.225 ms/token for the per-kernel step, dobi 3.160 vs 3.273, basis-sharing 3.582 vs 3.623,
-prompt 2048 3.257 vs 3.494. Where the time goes, stage by stage: bench/step_trace.py (StepKernelConfig.trace).
+svd-llm keep 0.6 2.998 vs 3.227 ms/token for the per-kernel step, dobi 3.128 vs 3.275, basis-sharing 3.536 vs 3.626,
+prompt 2048 3.261 vs 3.520. Where the time goes, stage by stage: bench/step_trace.py (StepKernelConfig.trace).
 """
 
 import math
