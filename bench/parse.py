@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                 hits[f"PARSE retrieval τ={th:g}"] = float(hit.float().mean())
                 configs[f"PARSE retrieval τ={th:g}"] = (model, [cached[int(idx[i])] if hit[i] else live[i]
                                                                for i in range(len(test))])
-            configs["PARSE all r_max components (memory-matched, 2× compute)"] = (model, None)
+            configs[f"PARSE all r_max components (memory-matched, {a.pool_factor:g}× compute)"] = (model, None)
             scores = _score(dense, configs, test, a.prompt_len, a.batch_size)
             ref = scores[f"static {base} (K)"]["window_nll"]
             overlap = sum(_overlap(cached[int(idx[i])], live[i]) for i in range(len(test))) / len(test)
