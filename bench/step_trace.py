@@ -49,9 +49,11 @@ def stage_bytes(dec: FastDecoder, seqlen: int) -> list[float]:
     return out
 
 
-def analyse(stamps: torch.Tensor, programs: int, nbytes: list[float]) -> dict:
-    """Per-kind spans, work and rates from one step's stamps (programs, stages + 1), ns."""
+def analyse(stamps: torch.Tensor, programs: int, nbytes: list[float], smid: torch.Tensor | None = None) -> dict:
+    """Per-kind spans, work and rates from one step's stamps (programs, stages + 1), ns; also each program's work
+    per kind (summed over layers, us) and, when given, the SM each program ran on, to tell stragglers apart."""
     t = stamps[:programs].double()
+    per_program: dict[str, torch.Tensor] = {}
     stamped = [s for s in range(t.shape[1]) if bool((t[:, s] > 0).all())]  # merge stages are skipped at 1 split
     t0 = t[:, stamped[0]].min()
     kinds: dict[str, dict] = {}
@@ -70,13 +72,18 @@ def analyse(stamps: torch.Tensor, programs: int, nbytes: list[float]) -> dict:
         k["median_work_us"] += med / 1e3
         k["max_work_us"] += float(work.max()) / 1e3
         k["bytes"] += nbytes[a]
+        per_program[kind] = per_program.get(kind, torch.zeros_like(work)) + work.clamp(min=0) / 1e3
         prev_end = end
     total = float(prev_end - t0) / 1e3
     for k in kinds.values():
         k["TB_s_over_span"] = k["bytes"] / (k["span_us"] * 1e-6) / 1e12 if k["span_us"] else None
         k["TB_s_over_median_work"] = k["bytes"] / (k["median_work_us"] * 1e-6) / 1e12 if k["median_work_us"] else None
         k["tail_us"] = k["span_us"] - k["median_work_us"]
-    return dict(step_us=total, kinds=kinds)
+    out = dict(step_us=total, kinds=kinds,
+               program_work_us={k: [round(float(v), 2) for v in w] for k, w in per_program.items()})
+    if smid is not None:
+        out["smid"] = [int(v) for v in smid[:programs]]
+    return out
 
 
 def trace_config(model, fields: dict, prompt: int) -> dict:
@@ -98,7 +105,8 @@ def trace_config(model, fields: dict, prompt: int) -> dict:
             seqlen = int(dec.cache.seqlens[0])  # the last step attended over seqlen keys
             sk = dec.step_kernel
             out.update(grid=sk.grid[0], resident=sk.resident,
-                       **analyse(sk.trace.cpu(), sk.grid[0], stage_bytes(dec, seqlen)))
+                       **analyse(sk.trace[:, :-1].cpu(), sk.grid[0], stage_bytes(dec, seqlen),
+                                 smid=sk.trace[:, -1].cpu()))
         del dec
         torch.cuda.empty_cache()
     return out
@@ -180,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # one bad config (compile error, unknown field) must not lose the rest
             res["configs"][name] = dict(fields=fields, error=repr(e)[:2000])
         r = res["configs"][name]
-        print(name, {k: v for k, v in r.items() if k != "kinds"}, flush=True)
+        print(name, {k: v for k, v in r.items() if k not in ("kinds", "program_work_us", "smid")}, flush=True)
         for kind, k in r.get("kinds", {}).items():
             print(f"  {kind:10s} span {k['span_us']:8.1f} us  median work {k['median_work_us']:8.1f}  "
                   f"tail {k['tail_us']:7.1f}  {k['bytes'] / 1e6:8.1f} MB  "

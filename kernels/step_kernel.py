@@ -81,8 +81,8 @@ class StepKernelConfig:
     # programs an SM). Lower caps let more programs share an SM at the cost of spills (measured slower).
     maxnreg: int | None = None
     att_block_n: int = 64  # GPU: keys a tile in the attention stage (its tl.dot tiles set the shared memory)
-    # diagnostics: every program stamps the global timer (ns) as it reaches each stage, into StepKernel.trace
-    # (programs x stages + 1); bench/step_trace.py turns the stamps into per-stage span / work / tail times
+    # diagnostics: every program stamps the global timer (ns) as it reaches each stage, and its SM, into
+    # StepKernel.trace (programs x stages + 2); bench/step_trace.py turns the stamps into per-stage span / work / tail
     trace: bool = False
     # several attention splits: the last split of a kv head to finish merges them (a per-head counter) instead of
     # a merge stage after the attention stage
@@ -382,11 +382,20 @@ def _merge_stage(ctr_ptr, rank, P, sid, prev, target, mid_o_ptr, mid_lse_ptr, a_
 
 @triton.jit
 def _stamp(trace_ptr, rank, s, NS, TRACE: tl.constexpr):
-    """Diagnostics (TRACE): the global timer (ns) when program rank reaches stage s, at trace[rank, s]."""
+    """Diagnostics (TRACE): the global timer (ns) when program rank reaches stage s, at trace[rank, s] (rows of
+    NS + 2: the stamps, then the program's SM)."""
     if TRACE:
         t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [rank], dtype=tl.int64, is_pure=False,
                                       pack=1)
-        tl.store(trace_ptr + rank * (NS + 1) + s, t)
+        tl.store(trace_ptr + rank * (NS + 2) + s, t)
+
+
+@triton.jit
+def _stamp_sm(trace_ptr, rank, NS, TRACE: tl.constexpr):
+    """Diagnostics (TRACE): the SM program rank runs on, at trace[rank, NS + 1]."""
+    if TRACE:
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [rank], dtype=tl.int32, is_pure=False, pack=1)
+        tl.store(trace_ptr + rank * (NS + 2) + NS + 1, sm.to(tl.int64))
 
 
 @triton.jit
@@ -426,6 +435,7 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
     P = tl.num_programs(0)
     rank = tl.atomic_add(ctr_ptr, 1, sem="relaxed")  # items by arrival order (see StepKernel: all P are resident)
     pos = tl.load(seqlens_ptr)  # the current token's position (row 0)
+    _stamp_sm(trace_ptr, rank, NS, TRACE)
     for layer in range(L):
         mp = meta_ptr + layer * 18
         rq, rk, rv = _rank(mp, 11), _rank(mp, 12), _rank(mp, 13)
@@ -517,9 +527,9 @@ class StepKernel:
         self.grid = (self.sms,)
         self.resident: int | None = None
         n_stages = len(layers) * SLOTS + 1
-        # (programs, stages + 1) stamps, sized for the most programs an SM could hold (32); untraced, the kernel
-        # never touches it and gets the counters as a placeholder pointer
-        self.trace = (torch.zeros(self.sms * 32, n_stages + 1, dtype=torch.int64, device=dev)
+        # (programs, stages + 1) stamps and each program's SM, sized for the most programs an SM could hold (32);
+        # untraced, the kernel never touches it and gets the counters as a placeholder pointer
+        self.trace = (torch.zeros(self.sms * 32, n_stages + 2, dtype=torch.int64, device=dev)
                       if self.kcfg.trace else self.ctr)
 
     def run(self) -> None:

@@ -41,6 +41,11 @@ def test_analyse_splits_spans_into_work_and_tail():
     assert abs(k["attention"]["span_us"] - 2.0) < 1e-9
     assert abs(k["qkv V"]["TB_s_over_span"] - 2e6 / 5e-6 / 1e12) < 1e-12
     assert abs(res["step_us"] - sum(v["span_us"] for v in k.values())) < 1e-9
+    # each program's work per kind, summed over layers: program 0 worked 3 + 1 us in qkv V, program 1 1 + 2 us
+    assert res["program_work_us"]["qkv V"] == [4.0, 3.0, 2.0, 2.0]
+    assert "smid" not in res
+    res = analyse(t, P, [1e6] * 21, smid=torch.tensor([7, 7, 3, 3, 0]))
+    assert res["smid"] == [7, 7, 3, 3]
 
 
 def test_markdown_and_config_values():
