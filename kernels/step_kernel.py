@@ -13,9 +13,10 @@ start). A program with items in a stage first asks L2 for its first weight tiles
 stage's done counter reaches P (an acquiring read), then runs one software-pipelined loop over (its items x tiles
 of K), so the weight stream stays `stages - 1` tiles ahead through shared memory across item boundaries; at the
 end every program, items or not, adds 1 to the stage's done counter (release). With several attention splits the
-last split of a kv head to finish merges the head's partials (a counter per layer and kv head), not a stage. A program may wait on
-any other's items, so all P must be resident at once: StepKernel caps P at the compiled kernel's occupancy
-(registers, shared memory), and under the CPU interpreter, which runs programs one after the other, P = 1.
+last split of a kv head to finish merges the head's partials (a counter per layer and kv head), not a stage. A
+program may wait on any other's items, so all P must be resident at once: StepKernel caps P at the compiled
+kernel's occupancy (registers, shared memory), and under the CPU interpreter, which runs programs one after the
+other, P = 1.
 Other work on the GPU only delays programs (they start as it drains); a GPU whose SMs are partitioned (MPS limits)
 could keep some from ever starting: use the per-kernel step there (DecodeConfig.one_launch=False).
 
@@ -42,10 +43,11 @@ import torch
 import triton
 import triton.language as tl
 
-from rankserve.kernels.decode_attention import attend, merge_group, merge_splits
+from rankserve.kernels.decode_attention import attend, merge_group
 
 PAD = tl.constexpr(32)  # int32 counters a 128-byte line apart (no false sharing between stages)
-# stage slots a layer: qkv V, qkv U, attention, merge, o V, o U, gate/up V, gate/up U, down V, down U
+# stage slots a layer: qkv V, qkv U, attention, (3: unused; the splits merge inside the attention stage), o V, o U,
+# gate/up V, gate/up U, down V, down U
 SLOTS = tl.constexpr(10)
 META = ("Vqkv", "Uq", "Uk", "Uv", "Vo", "Uo", "Vgu", "Ug", "Uu", "Vd", "Ud")  # offsets, then the 7 ranks
 
@@ -84,9 +86,6 @@ class StepKernelConfig:
     # diagnostics: every program stamps the global timer (ns) as it reaches each stage, and its SM, into
     # StepKernel.trace (programs x stages + 2); bench/step_trace.py turns the stamps into per-stage span / work / tail
     trace: bool = False
-    # several attention splits: the last split of a kv head to finish merges them (a per-head counter) instead of
-    # a merge stage after the attention stage
-    fused_merge: bool = True
 
     def __post_init__(self) -> None:
         # activations written in this launch must be read around L1 (cp.async.cg: 16 bytes a thread); narrower
@@ -326,12 +325,11 @@ def _qkv_item(i, w_ptr, off_q, off_k, off_v, rq, rk, rv, H: tl.constexpr, HKV: t
 def _attention_stage(ctr_ptr, rank, P, sid, prev, target, q_ptr, kc_ptr, vc_ptr, stride_ks, stride_kh, seqlen,
                      a_ptr, mid_o_ptr, mid_lse_ptr, head_ctr_ptr, qk_scale, G: tl.constexpr, HKV: tl.constexpr,
                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, FUSED_MERGE: tl.constexpr,
-                     DOT_PREC: tl.constexpr):
+                     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, DOT_PREC: tl.constexpr):
     """Item (kv head hk, split): its query heads over the split's keys; one split writes a (H, D) directly,
-    several write partials mid_o (H, NUM_SPLITS, D) fp32 and mid_lse (H, NUM_SPLITS). FUSED_MERGE: the last of a
-    kv head's splits to finish (a per-head counter, head_ctr_ptr[hk]) merges them into a, so no merge stage
-    (measured on the H200: 3.036 -> 3.000 ms a step, bench/results/step-trace-h200-s7b.json)."""
+    several write partials mid_o (H, NUM_SPLITS, D) fp32 and mid_lse (H, NUM_SPLITS), and the last of a kv head's
+    splits to finish (a per-head counter, head_ctr_ptr[hk]) merges them into a: no merge stage (measured on the
+    H200 against one: 3.036 -> 3.000 ms a step, bench/results/step-trace-h200-s7b.json)."""
     i = rank
     split_len = tl.cdiv(tl.cdiv(seqlen, NUM_SPLITS), BLOCK_N) * BLOCK_N
     offs_d = tl.arange(0, D_PAD)
@@ -355,27 +353,11 @@ def _attention_stage(ctr_ptr, rank, P, sid, prev, target, q_ptr, kc_ptr, vc_ptr,
         else:
             tl.store(mid_o_ptr + (offs_h[:, None] * NUM_SPLITS + split) * D + offs_d[None, :], o, mask=mask)
             tl.store(mid_lse_ptr + offs_h * NUM_SPLITS + split, lse, mask=mask_g)
-            if FUSED_MERGE:
-                tl.debug_barrier()  # this item's partial stores issued before the counter's release
-                if tl.atomic_add(head_ctr_ptr + hk, 1, sem="acq_rel") == NUM_SPLITS - 1:
-                    out = merge_group(mid_o_ptr, mid_lse_ptr, NUM_SPLITS * D, D, NUM_SPLITS, offs_h, mask_g, offs_d,
-                                      mask_d, BLOCK_H, D_PAD, NUM_SPLITS, SPLITS_PAD)
-                    tl.store(a_ptr + offs_h[:, None] * D + offs_d[None, :], out.to(a_ptr.dtype.element_ty), mask=mask)
-        i += P
-    _leave(ctr_ptr, sid)
-
-
-@triton.jit
-def _merge_stage(ctr_ptr, rank, P, sid, prev, target, mid_o_ptr, mid_lse_ptr, a_ptr, H: tl.constexpr,
-                 D: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """Item h: head h's output from its splits' partials."""
-    i = rank
-    _wait(ctr_ptr, prev, target, i < H)
-    while i < H:
-        offs_d = tl.arange(0, D_PAD)
-        out = merge_splits(mid_o_ptr + i * NUM_SPLITS * D, mid_lse_ptr + i * NUM_SPLITS, D, offs_d, offs_d < D,
-                           NUM_SPLITS, SPLITS_PAD)
-        tl.store(a_ptr + i * D + offs_d, out.to(a_ptr.dtype.element_ty), mask=offs_d < D)
+            tl.debug_barrier()  # this item's partial stores issued before the counter's release
+            if tl.atomic_add(head_ctr_ptr + hk, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                out = merge_group(mid_o_ptr, mid_lse_ptr, NUM_SPLITS * D, D, NUM_SPLITS, offs_h, mask_g, offs_d, mask_d,
+                                  BLOCK_H, D_PAD, NUM_SPLITS, SPLITS_PAD)
+                tl.store(a_ptr + offs_h[:, None] * D + offs_d[None, :], out.to(a_ptr.dtype.element_ty), mask=mask)
         i += P
     _leave(ctr_ptr, sid)
 
@@ -428,7 +410,7 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
                  BN_GATE_UP_V: tl.constexpr, BK_GATE_UP_V: tl.constexpr, BN_GATE_UP_U: tl.constexpr,
                  BK_GATE_UP_U: tl.constexpr, BN_DOWN_V: tl.constexpr, BK_DOWN_V: tl.constexpr,
                  BN_DOWN_U: tl.constexpr, BK_DOWN_U: tl.constexpr, BN_HEAD: tl.constexpr, BK_HEAD: tl.constexpr,
-                 FUSED_MERGE: tl.constexpr, STAGES: tl.constexpr, STAGES_U: tl.constexpr,
+                 STAGES: tl.constexpr, STAGES_U: tl.constexpr,
                  PREFETCH: tl.constexpr, TRACE: tl.constexpr):
     D: tl.constexpr = 2 * HALF
     NS = L * SLOTS + 1  # stages: SLOTS a layer, then the head
@@ -456,16 +438,9 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
         _stamp(trace_ptr, rank, s0 + 2, NS, TRACE)
         _attention_stage(ctr_ptr, rank, P, s0 + 2, s0 + 1, P, q_ptr, kc, vc, stride_ks, stride_kh, pos + 1, a_ptr,
                          mid_o_ptr, mid_lse_ptr, ctr_ptr + (L * SLOTS + 2) * PAD + layer * HKV, qk_scale, H // HKV,
-                         HKV, D, D_PAD, BLOCK_H, ATT_BLOCK_N, NUM_SPLITS, SPLITS_PAD, FUSED_MERGE,
-                         DOT_PREC)
-        o_prev = s0 + 2
-        if NUM_SPLITS > 1 and not FUSED_MERGE:
-            _stamp(trace_ptr, rank, s0 + 3, NS, TRACE)
-            _merge_stage(ctr_ptr, rank, P, s0 + 3, s0 + 2, P, mid_o_ptr, mid_lse_ptr, a_ptr, H, D, D_PAD, NUM_SPLITS,
-                         SPLITS_PAD)
-            o_prev = s0 + 3
+                         HKV, D, D_PAD, BLOCK_H, ATT_BLOCK_N, NUM_SPLITS, SPLITS_PAD, DOT_PREC)
         _stamp(trace_ptr, rank, s0 + 4, NS, TRACE)
-        _gemv_stage(ctr_ptr, rank, P, s0 + 4, o_prev, P, a_ptr, _weight(w_ptr, mp, 4), t_ptr, ro, H * D, eps, False,
+        _gemv_stage(ctr_ptr, rank, P, s0 + 4, s0 + 2, P, a_ptr, _weight(w_ptr, mp, 4), t_ptr, ro, H * D, eps, False,
                     False, BN_O_V, BK_O_V, STAGES, PREFETCH)
         _stamp(trace_ptr, rank, s0 + 5, NS, TRACE)
         _gemv_stage(ctr_ptr, rank, P, s0 + 5, s0 + 4, P, t_ptr, _weight(w_ptr, mp, 5), x_ptr, hidden, ro, eps, False,
@@ -548,7 +523,6 @@ class StepKernel:
             ATT_BLOCK_N=k.att_block_n if on_gpu else 16, DOT_PREC="ieee" if kc.dtype == torch.float32 else "tf32",
             **k.constexprs(on_gpu, D // 2), STAGES=k.stages if on_gpu else 1,
             STAGES_U=k.u_stages if on_gpu else 1, PREFETCH=k.prefetch if on_gpu else 0, TRACE=k.trace and on_gpu,
-            FUSED_MERGE=k.fused_merge,
             num_warps=k.num_warps if on_gpu else 1, **({"maxnreg": k.maxnreg} if on_gpu and k.maxnreg else {}))
         if on_gpu and self.resident is None:
             # items are dealt to programs statically, so a program may wait on any other's items: every program

@@ -177,34 +177,30 @@ def test_step_greedy_feeds_its_own_argmax(backend):
         FastDecoder(model, DecodeConfig(batch_size=B, max_seq_len=40, graph="none")).step_greedy()
 
 
-@pytest.mark.parametrize("kind,splits,fused_merge", [("uneven", 1, True), ("shared", 3, True), ("uneven", 3, False)])
-def test_one_launch_step_matches_eager(kind, splits, fused_merge):
+@pytest.mark.parametrize("kind,splits", [("uneven", 1), ("shared", 3), ("uneven", 3)])
+def test_one_launch_step_matches_eager(kind, splits):
     """one_launch=True (the whole B = 1 step in one persistent kernel, stages ordered by device counters) gives the
     eager logits step after step; with several attention splits (some empty) the last split of each kv head merges
-    them (fused_merge) or a merge stage does."""
-    import dataclasses
-
-    from rankserve.kernels.step_kernel import SLOTS, StepKernelConfig
+    them."""
+    from rankserve.kernels.step_kernel import SLOTS
     model = _model(kind)
     prompt = torch.randint(0, CFG.vocab_size, (1, 6))
     steps = [torch.randint(0, CFG.vocab_size, (1,)) for _ in range(3)]
-    kcfg = StepKernelConfig(fused_merge=fused_merge)
     with torch.no_grad():
         ref = _eager_logits(model, prompt, steps)
         dec = FastDecoder(model, DecodeConfig(batch_size=1, max_seq_len=40, graph="none", num_splits=splits,
-                                              one_launch=True, one_launch_tiles=dataclasses.astuple(kcfg)))
+                                              one_launch=True))
         got = [dec.prefill(prompt)] + [dec.step(t).clone() for t in steps]
     _assert_steps_close(got, ref)
     # the interpreter runs one program (programs run one after the other there, and a program waits on others'
-    # items): it took rank 0 and counted itself done in every stage it ran; the merge slot runs only with several
-    # splits and no fused merge; each kv head's merge counter saw its splits
+    # items): it took rank 0 and counted itself done in every stage it ran (slot 3, once a merge stage, never runs);
+    # each kv head's merge counter saw its splits
     L, Hkv, n = CFG.num_hidden_layers, CFG.num_key_value_heads, int(SLOTS)
     ctr = dec.step_kernel.ctr
     lines = ctr[:(L * n + 2) * 32].view(-1, 32)[:, 0].tolist()  # stage counters a 128-byte line apart
     assert dec.step_kernel.grid == (1,) and lines[0] == 1
-    merge_stage = int(splits > 1 and not fused_merge)
-    assert lines[1:] == [1, 1, 1, merge_stage, 1, 1, 1, 1, 1, 1] * L + [1]  # + the head
-    merged = splits if splits > 1 and fused_merge else 0
+    assert lines[1:] == [1, 1, 1, 0, 1, 1, 1, 1, 1, 1] * L + [1]  # + the head
+    merged = splits if splits > 1 else 0
     assert ctr[(L * n + 2) * 32:].tolist() == [merged] * (L * Hkv)
 
 

@@ -86,7 +86,7 @@ def compile_step_ptx(num_splits: int = 4, kind: str = "ptx") -> str:
     names = list(inspect.signature(_step_kernel.fn).parameters)
     consts = dict(H=32, HKV=32, HALF=64, D_PAD=128, NUM_SPLITS=num_splits, SPLITS_PAD=num_splits, BLOCK_H=16,
                   ATT_BLOCK_N=64, DOT_PREC="tf32", STAGES=k.stages, STAGES_U=k.u_stages, PREFETCH=k.prefetch,
-                  TRACE=False, FUSED_MERGE=k.fused_merge, **k.constexprs(True, 64))
+                  TRACE=False, **k.constexprs(True, 64))
     sig = {n: STEP_POINTERS.get(n, "i32" if n in STEP_INTS else "fp32") for n in names if n not in consts}
     sig.update({n: "constexpr" for n in consts})
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in [*STEP_POINTERS, *STEP_INTS[1:]]}
