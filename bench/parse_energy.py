@@ -4,8 +4,8 @@ For each routed matrix, component i's output energy on a set of tokens is ‖U[:
 Score s_i = λ · (its energy on the prompt's first `prompt_len` tokens) + (1 − λ) · (its energy on `--prior-text`,
 by default WikiText-2 valid, the static baseline's calibration text), top-K per matrix; λ = 0 is a calibration-only
 order, λ = 1 the prompt alone. Scored as bench/parse.py does (prompt → frozen subset → continuation vs the dense
-model), next to static truncation and the checkpoint's trained routers. `--split valid` tunes λ on the second half of WikiText-2 valid
-(the prior uses its first 64 windows); `--split test` is WikiText-2 test.
+model), next to static truncation and the checkpoint's trained routers. `--split valid` tunes λ on the second half
+of WikiText-2 valid (the prior uses its first 64 windows); `--split test` is WikiText-2 test.
 
 Usage: python -m rankserve.bench.parse_energy --base svd-llm --tag valid --lams 0 0.25 0.5 --split test [--out F]
 """
