@@ -13,7 +13,7 @@ rate they stream at over the span and over the median work. Stamps cost a store 
 slower than the untraced one, which is timed in the same run for reference.
 
 Usage: python -m rankserve.bench.step_trace --out step-trace-h200.json [--family svd-llm --keep 0.6 --prompt 128]
-       [--config NAME:FIELD=VALUE,FIELD=VALUE ...]   (StepKernelConfig fields, tiles as ROWSxWIDTH: gated=32x512;
+       [--config NAME:FIELD=VALUE,FIELD=VALUE ...]   (StepKernelConfig fields, tiles as ROWSxWIDTH: o_u=16x512;
                                                          splits=N: attention splits)
 """
 
@@ -32,9 +32,7 @@ from rankserve.workers.align import GPU_ALIGN
 from rankserve.workers.config import preset
 from rankserve.workers.fast_decode import DecodeConfig, FastDecoder
 
-# a layer's stage slots (kernels/step_kernel.py; unused slots are never stamped, so analyse skips them)
-KINDS = ("down U + qkv V", "qkv U", "attention", "-", "o V", "-", "o U + gate/up V", "gate/up U + down V", "-",
-         "down U (last layer)")
+KINDS = ("qkv V", "qkv U", "attention", "merge", "o V", "o U", "gate/up V", "gate/up U", "down V", "down U")
 
 
 def stage_bytes(dec: FastDecoder, seqlen: int) -> list[float]:
@@ -43,13 +41,10 @@ def stage_bytes(dec: FastDecoder, seqlen: int) -> list[float]:
     cfg = dec.cfg
     kv = 2 * seqlen * cfg.num_key_value_heads * cfg.head_dim * dec.cache.k.element_size()
     out = []
-    prev_down = 0
-    for i, L in enumerate(dec.layers):
+    for L in dec.layers:
         ws, _ = layer_weights(L)
         b = [w.numel() * w.element_size() for w in ws]
-        last = b[10] if i == len(dec.layers) - 1 else 0
-        out += [prev_down + b[0], b[1] + b[2] + b[3], kv, 0, b[4], 0, b[5] + b[6], b[7] + b[8] + b[9], 0, last]
-        prev_down = b[10]
+        out += [b[0], b[1] + b[2] + b[3], kv, 0, b[4], b[5], b[6], b[7] + b[8], b[9], b[10]]
     out.append(dec.head_n.numel() * dec.head_n.element_size())
     return out
 

@@ -50,13 +50,11 @@ PAD = tl.constexpr(32)  # int32 counters a 128-byte line apart (no false sharing
 # gate/up V, gate/up U, down V, down U
 SLOTS = tl.constexpr(10)
 META = ("Vqkv", "Uq", "Uk", "Uv", "Vo", "Uo", "Vgu", "Ug", "Uu", "Vd", "Ud")  # offsets, then the 7 ranks
-TRANSPOSED = ("Vqkv", "Vgu", "Vd")  # read by rows of their input (the fused stages): stored transposed
 
 
 Tile = tuple[int, int]  # (weight rows an item, columns a tile of the reduction)
-V_STAGES = ("o_v", "head")  # reduce over the hidden size / the heads' dims (bf16 input)
-# reduce over a rank (fp32 t read in the pipelined loop); qkv_u rows: dims of a half-head
-U_STAGES = ("resid", "gated", "qkv_u", "down_u")
+V_STAGES = ("qkv_v", "o_v", "gate_up_v", "down_v", "head")  # reduce over the hidden / intermediate size (bf16 input)
+U_STAGES = ("qkv_u", "o_u", "gate_up_u", "down_u")  # reduce over a rank (fp32 t); qkv_u rows: dims of a half-head
 
 
 @dataclass
@@ -65,16 +63,14 @@ class StepKernelConfig:
     # item tiles per stage (GPU). A stage takes as long as its busiest program, and a program's pipelined loop
     # costs about the same per step whatever the tile (bench/step_trace.py): tiles of ~16 KB and item counts
     # without a ragged last round. Measured on the H200 (decode.md).
-    # fused stages (a U map, then the next V map by the same rows, see _fused_stage): rows an item x columns a
-    # tile. "resid": x += U t, then t' += V^T x over the same hidden rows (down U + next q/k/v V; o U + gate/up V);
-    # "gated": m = SiLU(Ug t)·(Uu t), then t' += Vd^T m over the same intermediate rows (gate/up U + down V), whose
-    # items are cut to gated_rounds rounds of the programs (rows an item <= the tile's rows)
-    resid: Tile = (16, 512)
-    gated: Tile = (32, 512)
-    gated_rounds: int = 2
+    qkv_v: Tile = (2, 4096)
     qkv_u: Tile = (8, 512)
     o_v: Tile = (2, 4096)
-    down_u: Tile = (8, 1024)  # the last layer's down U (no V map after it)
+    o_u: Tile = (16, 512)
+    gate_up_v: Tile = (2, 4096)
+    gate_up_u: Tile = (8, 1024)  # two tiles a step (gate and up)
+    down_v: Tile = (2, 4096)
+    down_u: Tile = (8, 1024)
     head: Tile = (2, 4096)
     stages: int = 3  # software-pipeline depth of the V stages' weight stream (tiles in flight + 1), shared memory
     u_stages: int = 3  # the same for the U stages
@@ -102,8 +98,6 @@ class StepKernelConfig:
             if width < least:
                 raise ValueError(f"one-launch {name} tile too narrow for {self.num_warps} warps: width >= {least} "
                                  f"needed, got {width}")
-        if self.gated_rounds < 1:
-            raise ValueError(f"gated_rounds must be >= 1, got {self.gated_rounds}")
         if min(self.stages, self.u_stages) < 1:
             raise ValueError("one-launch pipeline depths must be >= 1")
         if self.prefetch < 0:
@@ -117,7 +111,8 @@ class StepKernelConfig:
         if on_gpu:
             tiles = {n: getattr(self, n) for n in V_STAGES + U_STAGES}
         else:
-            tiles = dict(resid=(16, 64), gated=(8, 32), qkv_u=(16, 64), o_v=(8, 64), down_u=(8, 64), head=(16, 64))
+            tiles = dict(qkv_v=(16, 64), qkv_u=(16, 64), o_v=(8, 64), o_u=(16, 64), gate_up_v=(16, 64),
+                         gate_up_u=(16, 64), down_v=(4, 64), down_u=(8, 64), head=(16, 64))
         out = {}
         for n, (rows, width) in tiles.items():
             if n == "qkv_u":  # RoPE chunks: at most half a head's dims
@@ -223,97 +218,44 @@ def _gemv_stage(ctr_ptr, rank, P, sid, prev, target, x_ptr, w_ptr, y_ptr, N, K, 
 
 
 @triton.jit
-def _inv_rms(ss_ptr, n, K, eps, SS_PAD: tl.constexpr):
-    """1 / rms of a K-vector from the n partial sums of squares at ss_ptr (one a row block of a fused stage; written
-    by other programs of this launch: read from L2)."""
-    offs = tl.arange(0, SS_PAD)
-    ss = tl.load(ss_ptr + offs, mask=offs < n, other=0.0, cache_modifier=".cg")
-    return 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
-
-
-@triton.jit
-def _fused_stage(ctr_ptr, rank, P, sid, prev, target, w_ptr, off_u, off_u2, off_vt, r1, r2, R, N, rows_it, has_u,
-                 t_ptr, ss_in_ptr, n_ss, K_NORM, eps, y_ptr, acc_ptr, ss_out_ptr,
-                 GATED: tl.constexpr, SS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 STAGES: tl.constexpr, PREFETCH: tl.constexpr):
-    """A U map and the next V map in one stage, by row blocks: item i owns rows [i * rows_it, (i + 1) * rows_it) of
-    N (the hidden size or the intermediate size) and needs nothing but those rows of the U map's output.
-
-    resid (GATED false): x[rows] += U[rows] t (U: N x r1; skipped when has_u is false: layer 0 reads the embedding),
-        stored (x = y_ptr) with its sum of squares at ss_out_ptr[i] (the next RMSNorm's, applied by the consumer of
-        acc: the norm weight is folded into V, and 1 / rms is one scalar);
-    gated: m[rows] = SiLU(s Ug[rows] t[:r1]) * (s Uu[rows] t[r1:]) with s = 1 / rms from the previous stage's
-        partial sums (ss_in_ptr, n_ss of them over K_NORM), kept on chip (y_ptr: its dtype only);
-    then acc[:R] += V^T[rows]^T (x|m)[rows] (V^T: N x R, the V map stored transposed), fp32 atomics.
-
-    One software-pipelined loop over (this program's items x (U tiles, then V^T tiles)), a tile of BLOCK_N rows x
-    BLOCK_K columns each step from whichever matrix the step reads, so the weight stream stays STAGES - 1 tiles
-    ahead across the U/V boundary and across items. The U map's output never leaves the program: the barrier
-    that separated the two maps' stages (all of x before any of V x) is gone."""
-    n1 = tl.where(has_u, tl.cdiv(r1, BLOCK_K), 0)
-    if GATED:
-        nu = n1 + tl.cdiv(r2, BLOCK_K)
-    else:
-        nu = n1
-    nt = nu + tl.cdiv(R, BLOCK_K)
-    mine = _mine(tl.cdiv(N, rows_it), rank, P)
-    offs_r = tl.arange(0, BLOCK_N)
-    offs_c = tl.arange(0, BLOCK_K)
-    if PREFETCH > 0:  # the first tile of this program's first item (U, or V^T when there is no U map)
-        rows0 = rank * rows_it + offs_r
-        first = tl.multiple_of(tl.where(n1 > 0, r1, R), 16)
-        _prefetch_tile(w_ptr + tl.where(n1 > 0, off_u, off_vt), rows0, (offs_r < rows_it) & (rows0 < N) & (mine > 0),
-                       first, 0, BLOCK_K)
+def _gate_up_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, ug_ptr, uu_ptr, m_ptr, N, rg, ru,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr):
+    """m[n] = silu(Ug[n] . t[:rg]) * (Uu[n] . t[rg:]) for n < N (pipelined as _gemv_stage)."""
+    nk = tl.cdiv(tl.maximum(rg, ru), BLOCK_K)
+    mine = _mine(tl.cdiv(N, BLOCK_N), rank, P)
+    if PREFETCH > 0:
+        _l2_prefetch(ug_ptr, rank, P, mine, nk, N, rg, BLOCK_N, BLOCK_K, PREFETCH)
+        _l2_prefetch(uu_ptr, rank, P, mine, nk, N, ru, BLOCK_N, BLOCK_K, PREFETCH)
     _wait(ctr_ptr, prev, target, mine > 0)
-    s = 1.0
-    if GATED:
-        s = _inv_rms(ss_in_ptr, n_ss, K_NORM, eps, SS_PAD)
-    a1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    a2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    xv = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.range(0, mine * nt, num_stages=STAGES):
-        i, kc, last = _position(j, nt, rank, P)
-        rows = i * rows_it + offs_r
-        mask_n = (offs_r < rows_it) & (rows < N)
-        in1 = kc < n1
-        in2 = (kc >= n1) & (kc < nu)
-        width = tl.multiple_of(tl.where(in1, r1, tl.where(in2, r2, R)), 16)
-        base = tl.multiple_of(tl.where(in1, off_u, tl.where(in2, off_u2, off_vt)), 16)
-        cols = tl.where(in1, kc, tl.where(in2, kc - n1, kc - nu)) * BLOCK_K + offs_c
-        mask_k = cols < width
-        w = tl.load(w_ptr + base + rows[:, None] * width + cols[None, :], mask=mask_n[:, None] & mask_k[None, :],
-                    other=0.0, eviction_policy="evict_first").to(tl.float32)
-        tk = tl.load(t_ptr + tl.where(in2, r1, 0) + cols, mask=mask_k & (offs_c * 0 + kc < nu), other=0.0,
-                     cache_modifier=".cg")
-        if kc < nu:  # (measured: reducing the V^T tiles this way too, masked, cost 13 % of the stage)
-            part = tl.sum(w * tk[None, :], axis=1)
-            a1 += tl.where(in1, part, 0.0)
-            a2 += tl.where(in2, part, 0.0)
-        if kc == tl.maximum(nu, 1) - 1:  # the item's rows of the U map are complete (layer 0: the first V step)
-            if GATED:
-                g = a1 * s
-                xv = (g / (1.0 + tl.exp(-g)) * (a2 * s)).to(y_ptr.dtype.element_ty).to(tl.float32)
-            else:
-                xo = tl.load(y_ptr + rows, mask=mask_n, other=0.0, cache_modifier=".cg").to(tl.float32)
-                xv = (xo + a1).to(y_ptr.dtype.element_ty).to(tl.float32)
-                if n1 > 0:
-                    tl.store(y_ptr + rows, xv.to(y_ptr.dtype.element_ty), mask=mask_n)
-                tl.store(ss_out_ptr + i, tl.sum(xv * xv, axis=0))
-        if kc >= nu:
-            tl.atomic_add(acc_ptr + cols, tl.sum(w * xv[:, None], axis=0), mask=mask_k, sem="relaxed")
-        a1 = tl.where(last, 0.0, a1)
-        a2 = tl.where(last, 0.0, a2)
+    g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in tl.range(0, mine * nk, num_stages=STAGES):
+        i, kc, last = _position(j, nk, rank, P)
+        offs_n = i * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = kc * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask_n = offs_n < N
+        wg = tl.load(ug_ptr + offs_n[:, None] * rg + offs_k[None, :], mask=mask_n[:, None] & (offs_k < rg)[None, :],
+                     other=0.0, eviction_policy="evict_first")
+        wu = tl.load(uu_ptr + offs_n[:, None] * ru + offs_k[None, :], mask=mask_n[:, None] & (offs_k < ru)[None, :],
+                     other=0.0, eviction_policy="evict_first")
+        tg = tl.load(t_ptr + offs_k, mask=offs_k < rg, other=0.0, cache_modifier=".cg")
+        tu = tl.load(t_ptr + rg + offs_k, mask=offs_k < ru, other=0.0, cache_modifier=".cg")
+        g += tl.sum(wg.to(tl.float32) * tg[None, :], axis=1)
+        u += tl.sum(wu.to(tl.float32) * tu[None, :], axis=1)
+        if last:
+            tl.store(m_ptr + offs_n, (g / (1.0 + tl.exp(-g)) * u).to(m_ptr.dtype.element_ty), mask=mask_n)
+        g = tl.where(last, 0.0, g)
+        u = tl.where(last, 0.0, u)
     _leave(ctr_ptr, sid)
 
 
 @triton.jit
 def _qkv_u_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, w_ptr, off_q, off_k, off_v, rq, rk, rv,
-                 cos_ptr, sin_ptr, pos, q_ptr, kc_ptr, vc_ptr, stride_ks, stride_kh, ss_ptr, n_ss, K_NORM, eps,
+                 cos_ptr, sin_ptr, pos, q_ptr, kc_ptr, vc_ptr, stride_ks, stride_kh,
                  H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_K: tl.constexpr, SS_PAD: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr):
+                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr):
     """Item (head p of q|k|v, chunk of BLOCK_D dims of each half): rows (d, d + HALF) of that head from its U and
-    its slice of t, times 1 / rms of the layer's input (t = Vqkv x unnormed; the sums of squares come in n_ss
-    partials), RoPE on q and k at position pos, q stored, k and v written into the cache at pos (kc/vc: this
+    its slice of t, RoPE on q and k at position pos, q stored, k and v written into the cache at pos (kc/vc: this
     layer's, row 0). Pipelined as _gemv_stage over the largest of the three ranks (masked beyond each's own)."""
     NC: tl.constexpr = (HALF + BLOCK_D - 1) // BLOCK_D
     nk = tl.cdiv(tl.maximum(tl.maximum(rq, rk), rv), BLOCK_K)
@@ -326,7 +268,6 @@ def _qkv_u_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, w_ptr, off_q, off_k
         _prefetch_tile(u_ptr, rows, ok, r, kc * BLOCK_K, BLOCK_K)
         _prefetch_tile(u_ptr, rows + HALF, ok, r, kc * BLOCK_K, BLOCK_K)
     _wait(ctr_ptr, prev, target, mine > 0)
-    s = _inv_rms(ss_ptr, n_ss, K_NORM, eps, SS_PAD)
     y1 = tl.zeros((BLOCK_D,), dtype=tl.float32)
     y2 = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for j in tl.range(0, mine * nk, num_stages=STAGES):
@@ -347,8 +288,6 @@ def _qkv_u_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, w_ptr, off_q, off_k
             cos = tl.load(cos_ptr + pos * HALF + offs_d, mask=mask_d, other=1.0)
             sin = tl.load(sin_ptr + pos * HALF + offs_d, mask=mask_d, other=0.0)
             is_v = p >= H + HKV
-            y1 *= s
-            y2 *= s
             o1 = tl.where(is_v, y1, y1 * cos - y2 * sin)
             o2 = tl.where(is_v, y2, y2 * cos + y1 * sin)
             seg = p + tl.zeros((BLOCK_D,), dtype=tl.int32)  # full-tensor masks (block & scalar bool: interpreter)
@@ -460,24 +399,24 @@ def _rank(mp, j):
 
 
 @triton.jit
-def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, acc_ptr, q_ptr, a_ptr, m_ptr, logits_ptr, kc_ptr, vc_ptr,
+def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, logits_ptr, kc_ptr, vc_ptr,
                  seqlens_ptr, cos_ptr, sin_ptr, mid_o_ptr, mid_lse_ptr, ctr_ptr, trace_ptr,
-                 L, hidden, inter, vocab, acc_stride, stride_kl, stride_ks, stride_kh, eps, qk_scale,
+                 L, hidden, inter, vocab, stride_kl, stride_ks, stride_kh, eps, qk_scale,
                  H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, D_PAD: tl.constexpr,
                  NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-                 ATT_BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, SS_PAD: tl.constexpr, GATED_ROUNDS: tl.constexpr,
-                 BN_RESID: tl.constexpr, BK_RESID: tl.constexpr, BN_GATED: tl.constexpr, BK_GATED: tl.constexpr,
-                 BN_QKV_U: tl.constexpr, BK_QKV_U: tl.constexpr, BN_O_V: tl.constexpr, BK_O_V: tl.constexpr,
+                 ATT_BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+                 BN_QKV_V: tl.constexpr, BK_QKV_V: tl.constexpr, BN_QKV_U: tl.constexpr, BK_QKV_U: tl.constexpr,
+                 BN_O_V: tl.constexpr, BK_O_V: tl.constexpr, BN_O_U: tl.constexpr, BK_O_U: tl.constexpr,
+                 BN_GATE_UP_V: tl.constexpr, BK_GATE_UP_V: tl.constexpr, BN_GATE_UP_U: tl.constexpr,
+                 BK_GATE_UP_U: tl.constexpr, BN_DOWN_V: tl.constexpr, BK_DOWN_V: tl.constexpr,
                  BN_DOWN_U: tl.constexpr, BK_DOWN_U: tl.constexpr, BN_HEAD: tl.constexpr, BK_HEAD: tl.constexpr,
                  STAGES: tl.constexpr, STAGES_U: tl.constexpr,
                  PREFETCH: tl.constexpr, TRACE: tl.constexpr):
     D: tl.constexpr = 2 * HALF
-    NS = L * SLOTS + 1  # stage slots: SLOTS a layer, then the head
+    NS = L * SLOTS + 1  # stages: SLOTS a layer, then the head
     P = tl.num_programs(0)
     rank = tl.atomic_add(ctr_ptr, 1, sem="relaxed")  # items by arrival order (see StepKernel: all P are resident)
     pos = tl.load(seqlens_ptr)  # the current token's position (row 0)
-    n_ss = tl.cdiv(hidden, BN_RESID)  # partial sums of squares a norm (one a row block of the resid stages)
-    gated_rows = tl.minimum(BN_GATED, tl.cdiv(inter, GATED_ROUNDS * P))
     _stamp_sm(trace_ptr, rank, NS, TRACE)
     for layer in range(L):
         mp = meta_ptr + layer * 18
@@ -487,54 +426,38 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, acc_ptr, q_ptr, a_ptr, m_ptr,
         lay = tl.cast(layer, tl.int64)  # a layer of a long cache is > 2^31 elements in
         kc = kc_ptr + lay * stride_kl
         vc = vc_ptr + lay * stride_kl
-        # this layer's fp32 scratch: t of q/k/v | o | gate/up | down, then the two norms' partial sums of squares
-        acc = acc_ptr + lay * acc_stride
-        t_o = acc + rq + rk + rv
-        t_gu = t_o + ro
-        t_d = t_gu + rg + ru
-        ss1 = t_d + rd
-        ss2 = ss1 + SS_PAD
-        prev_acc = acc_ptr + tl.maximum(lay - 1, 0) * acc_stride  # the previous layer's t of down, for x += Ud t
-        pmp = meta_ptr + tl.maximum(layer - 1, 0) * 18
-        prd = _rank(pmp, 17)
-        # x += Ud t (the previous layer's down U; layer 0: x is the embedding) -> t = Vqkv x (norm weight folded)
+        # x (normed, the norm weight folded into Vqkv) -> t = Vqkv x; layer 0 waits for nothing
         _stamp(trace_ptr, rank, s0, NS, TRACE)
-        _fused_stage(ctr_ptr, rank, P, s0, tl.maximum(s0 - SLOTS + 7, 0), tl.where(layer == 0, 0, P), w_ptr,
-                     _offset(pmp, 10), 0, _offset(mp, 0), prd, 0, rq + rk + rv, hidden, BN_RESID, layer > 0,
-                     prev_acc + _rank(pmp, 11) + _rank(pmp, 12) + _rank(pmp, 13) + _rank(pmp, 14) + _rank(pmp, 15)
-                     + _rank(pmp, 16), ss1, n_ss, hidden, eps, x_ptr, acc, ss1, False, SS_PAD, BN_RESID, BK_RESID,
-                     STAGES_U, PREFETCH)
+        _gemv_stage(ctr_ptr, rank, P, s0, tl.maximum(s0 - 1, 0), tl.where(layer == 0, 0, P), x_ptr,
+                    _weight(w_ptr, mp, 0), t_ptr, rq + rk + rv, hidden, eps, True, False, BN_QKV_V, BK_QKV_V,
+                    STAGES, PREFETCH)
         _stamp(trace_ptr, rank, s0 + 1, NS, TRACE)
-        _qkv_u_stage(ctr_ptr, rank, P, s0 + 1, s0, P, acc, w_ptr, _offset(mp, 1), _offset(mp, 2), _offset(mp, 3),
-                     rq, rk, rv, cos_ptr, sin_ptr, pos, q_ptr, kc, vc, stride_ks, stride_kh, ss1, n_ss, hidden, eps,
-                     H, HKV, HALF, BN_QKV_U, BK_QKV_U, SS_PAD, STAGES_U, PREFETCH)
+        _qkv_u_stage(ctr_ptr, rank, P, s0 + 1, s0, P, t_ptr, w_ptr, _offset(mp, 1), _offset(mp, 2), _offset(mp, 3),
+                     rq, rk, rv, cos_ptr, sin_ptr, pos, q_ptr, kc, vc, stride_ks, stride_kh, H, HKV, HALF, BN_QKV_U,
+                     BK_QKV_U, STAGES_U, PREFETCH)
         _stamp(trace_ptr, rank, s0 + 2, NS, TRACE)
         _attention_stage(ctr_ptr, rank, P, s0 + 2, s0 + 1, P, q_ptr, kc, vc, stride_ks, stride_kh, pos + 1, a_ptr,
                          mid_o_ptr, mid_lse_ptr, ctr_ptr + (L * SLOTS + 2) * PAD + layer * HKV, qk_scale, H // HKV,
                          HKV, D, D_PAD, BLOCK_H, ATT_BLOCK_N, NUM_SPLITS, SPLITS_PAD, DOT_PREC)
         _stamp(trace_ptr, rank, s0 + 4, NS, TRACE)
-        _gemv_stage(ctr_ptr, rank, P, s0 + 4, s0 + 2, P, a_ptr, _weight(w_ptr, mp, 4), t_o, ro, H * D, eps, False,
+        _gemv_stage(ctr_ptr, rank, P, s0 + 4, s0 + 2, P, a_ptr, _weight(w_ptr, mp, 4), t_ptr, ro, H * D, eps, False,
                     False, BN_O_V, BK_O_V, STAGES, PREFETCH)
-        # x += Uo t -> t = Vgu x
+        _stamp(trace_ptr, rank, s0 + 5, NS, TRACE)
+        _gemv_stage(ctr_ptr, rank, P, s0 + 5, s0 + 4, P, t_ptr, _weight(w_ptr, mp, 5), x_ptr, hidden, ro, eps, False,
+                    True, BN_O_U, BK_O_U, STAGES_U, PREFETCH)
         _stamp(trace_ptr, rank, s0 + 6, NS, TRACE)
-        _fused_stage(ctr_ptr, rank, P, s0 + 6, s0 + 4, P, w_ptr, _offset(mp, 5), 0, _offset(mp, 6), ro, 0, rg + ru,
-                     hidden, BN_RESID, True, t_o, ss1, n_ss, hidden, eps, x_ptr, t_gu, ss2, False, SS_PAD, BN_RESID,
-                     BK_RESID, STAGES_U, PREFETCH)
-        # m = SiLU(Ug t) (Uu t) / rms^2 -> t = Vd m
+        _gemv_stage(ctr_ptr, rank, P, s0 + 6, s0 + 5, P, x_ptr, _weight(w_ptr, mp, 6), t_ptr, rg + ru, hidden, eps,
+                    True, False, BN_GATE_UP_V, BK_GATE_UP_V, STAGES, PREFETCH)
         _stamp(trace_ptr, rank, s0 + 7, NS, TRACE)
-        _fused_stage(ctr_ptr, rank, P, s0 + 7, s0 + 6, P, w_ptr, _offset(mp, 7), _offset(mp, 8), _offset(mp, 9), rg,
-                     ru, rd, inter, gated_rows, True, t_gu, ss2, n_ss, hidden, eps, m_ptr, t_d, ss2, True, SS_PAD,
-                     BN_GATED, BK_GATED, STAGES_U, PREFETCH)
-    # the last layer's x += Ud t (slot 9 of its layer), then the final norm (folded into the head's columns) +
-    # LM head, fp32 logits
-    lay = tl.cast(L - 1, tl.int64)
-    mp = meta_ptr + (L - 1) * 18
-    rd = _rank(mp, 17)
-    t_d = (acc_ptr + lay * acc_stride + _rank(mp, 11) + _rank(mp, 12) + _rank(mp, 13) + _rank(mp, 14)
-           + _rank(mp, 15) + _rank(mp, 16))
-    _stamp(trace_ptr, rank, NS - 2, NS, TRACE)
-    _gemv_stage(ctr_ptr, rank, P, NS - 2, NS - 4, P, t_d, _weight(w_ptr, mp, 10), x_ptr, hidden, rd, eps, False,
-                True, BN_DOWN_U, BK_DOWN_U, STAGES_U, PREFETCH)
+        _gate_up_stage(ctr_ptr, rank, P, s0 + 7, s0 + 6, P, t_ptr, _weight(w_ptr, mp, 7), _weight(w_ptr, mp, 8), m_ptr,
+                       inter, rg, ru, BN_GATE_UP_U, BK_GATE_UP_U, STAGES_U, PREFETCH)
+        _stamp(trace_ptr, rank, s0 + 8, NS, TRACE)
+        _gemv_stage(ctr_ptr, rank, P, s0 + 8, s0 + 7, P, m_ptr, _weight(w_ptr, mp, 9), t_ptr, rd, inter, eps, False,
+                    False, BN_DOWN_V, BK_DOWN_V, STAGES, PREFETCH)
+        _stamp(trace_ptr, rank, s0 + 9, NS, TRACE)
+        _gemv_stage(ctr_ptr, rank, P, s0 + 9, s0 + 8, P, t_ptr, _weight(w_ptr, mp, 10), x_ptr, hidden, rd, eps, False,
+                    True, BN_DOWN_U, BK_DOWN_U, STAGES_U, PREFETCH)
+    # final norm (folded into the head's columns) + LM head, fp32 logits
     _stamp(trace_ptr, rank, NS - 1, NS, TRACE)
     _gemv_stage(ctr_ptr, rank, P, NS - 1, NS - 2, P, x_ptr, head_ptr, logits_ptr, vocab, hidden, eps, True, False,
                 BN_HEAD, BK_HEAD, STAGES, PREFETCH)
@@ -556,18 +479,12 @@ class StepKernel:
             raise ValueError("the one-launch step needs every layer factorized with fused norms (fuse_norm)")
         base = layers[0].Vqkv
         dev, dt, es = base.device, base.dtype, base.element_size()
-        # the fused stages read the V maps of q/k/v, gate/up and down by rows of their input: stored transposed
-        # (a copy, shared where layers share a basis)
-        self.vt: dict[tuple, torch.Tensor] = {}
-        self.vt_of: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per layer: (V, its transposed copy)
         rows = []
         for L in layers:
             ws, ranks = layer_weights(L)
             for name, w in zip(META, ws):
                 if w.dtype != dt or not w.is_contiguous():
                     raise ValueError(f"the one-launch step wants contiguous {dt} weights; {name} is {w.dtype}")
-            self.vt_of.append([(w, self._transposed(w)) for name, w in zip(META, ws) if name in TRANSPOSED])
-            ws = [self._transposed(w) if name in TRANSPOSED else w for name, w in zip(META, ws)]
             if dev.type == "cuda":  # the kernel promises the compiler 16-element alignment (vectorized loads)
                 check_aligned(ws, ranks)
             offs = [(w.data_ptr() - base.data_ptr()) // es for w in ws]
@@ -575,13 +492,9 @@ class StepKernel:
         self.meta = torch.tensor(rows, dtype=torch.int64, device=dev)  # (L, 18)
         self.base, self.head_n, self.b, self.cfg = base, head_n, bufs, cfg
         self.num_splits = num_splits
-        # counter 0: rank tickets; then one done counter per stage, PAD apart; then a merge counter per (layer, kv
-        # head); then, viewed as fp32, each layer's scratch (acc_layout): all zeroed by one memset a step
-        n_ctr = -(-((len(layers) * SLOTS + 2) * PAD + len(layers) * cfg.num_key_value_heads) // 32) * 32
-        resid_rows = self.kcfg.constexprs(dev.type == "cuda", cfg.head_dim // 2)["BN_RESID"]
-        self.ss_pad, self.acc_stride = acc_layout(self.meta, cfg.hidden_size, resid_rows)
-        self.ctr = torch.zeros(n_ctr + len(layers) * self.acc_stride, dtype=torch.int32, device=dev)
-        self.acc = self.ctr[n_ctr:].view(torch.float32)
+        # counter 0: rank tickets; then one done counter per stage, PAD apart; then a merge counter per (layer, kv head)
+        self.ctr = torch.zeros((len(layers) * SLOTS + 2) * PAD + len(layers) * cfg.num_key_value_heads,
+                               dtype=torch.int32, device=dev)
         self.on_gpu = dev.type == "cuda"
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if self.on_gpu else 1
         # one program an SM until the compiled kernel's occupancy is known (the first run); the interpreter runs
@@ -594,19 +507,6 @@ class StepKernel:
         self.trace = (torch.zeros(self.sms * 32, n_stages + 2, dtype=torch.int64, device=dev)
                       if self.kcfg.trace else self.ctr)
 
-    @torch.no_grad()
-    def refresh(self, layer: int) -> None:
-        """Copy a layer's V maps into their transposed copies again, after its factors changed in place (PARSE
-        slots: fast_decode._Layer.refresh)."""
-        for w, wt in self.vt_of[layer]:
-            wt.copy_(w.t())
-
-    def _transposed(self, w: torch.Tensor) -> torch.Tensor:
-        key = (w.data_ptr(), tuple(w.shape))
-        if key not in self.vt:
-            self.vt[key] = w.t().contiguous()
-        return self.vt[key]
-
     def run(self) -> None:
         cfg, b, k = self.cfg, self.b, self.kcfg
         H, HKV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -614,14 +514,13 @@ class StepKernel:
         on_gpu = kc.is_cuda
         self.ctr.zero_()
         kernel = _step_kernel[self.grid](
-            self.base, self.meta, self.head_n, b["x"], self.acc, b["q"], b["a"], b["m"], b["logits"], kc, vc,
+            self.base, self.meta, self.head_n, b["x"], b["t"], b["q"], b["a"], b["m"], b["logits"], kc, vc,
             b["seqlens"], b["cos"], b["sin"], b["mid_o"], b["mid_lse"], self.ctr, self.trace,
-            len(self.meta), cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, self.acc_stride,
+            len(self.meta), cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,
             kc.stride(0), kc.stride(2), kc.stride(3), float(cfg.rms_norm_eps), math.log2(math.e) / math.sqrt(D),
             H=H, HKV=HKV, HALF=D // 2, D_PAD=triton.next_power_of_2(D), NUM_SPLITS=self.num_splits,
             SPLITS_PAD=triton.next_power_of_2(self.num_splits), BLOCK_H=max(16, triton.next_power_of_2(H // HKV)),
             ATT_BLOCK_N=k.att_block_n if on_gpu else 16, DOT_PREC="ieee" if kc.dtype == torch.float32 else "tf32",
-            SS_PAD=self.ss_pad, GATED_ROUNDS=k.gated_rounds,
             **k.constexprs(on_gpu, D // 2), STAGES=k.stages if on_gpu else 1,
             STAGES_U=k.u_stages if on_gpu else 1, PREFETCH=k.prefetch if on_gpu else 0, TRACE=k.trace and on_gpu,
             num_warps=k.num_warps if on_gpu else 1, **({"maxnreg": k.maxnreg} if on_gpu and k.maxnreg else {}))
@@ -630,15 +529,6 @@ class StepKernel:
             # must be resident at once. Cap the grid at what fits (registers, shared memory, warps per SM).
             self.resident = resident_programs(kernel.n_regs, kernel.metadata.shared, k.num_warps, kc.device)
             self.grid = (self.sms * min(k.programs_per_sm, self.resident),)
-
-
-def acc_layout(meta: torch.Tensor, hidden: int, resid_rows: int) -> tuple[int, int]:
-    """A layer's fp32 scratch: t of q/k/v | o | gate/up | down (its ranks), then two blocks of SS_PAD partial sums of
-    squares (one a row block of resid_rows rows of the resid stages). Returns (SS_PAD, the per-layer stride, a
-    multiple of 32 elements)."""
-    ss_pad = triton.next_power_of_2(-(-hidden // resid_rows))
-    ranks = int(meta[:, 11:].sum(1).max())
-    return ss_pad, -(-(ranks + 2 * ss_pad) // 32) * 32
 
 
 def layer_weights(L) -> tuple[list[torch.Tensor], list[int]]:

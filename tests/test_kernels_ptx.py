@@ -66,12 +66,12 @@ def test_weight_loads_are_vectorized_with_16_divisible_rows():
     assert loads and not scalar, f"{len(scalar)} of {len(loads)} global loads are scalar"
 
 
-STEP_POINTERS = {"w_ptr": "*bf16", "meta_ptr": "*i64", "head_ptr": "*bf16", "x_ptr": "*bf16", "acc_ptr": "*fp32",
+STEP_POINTERS = {"w_ptr": "*bf16", "meta_ptr": "*i64", "head_ptr": "*bf16", "x_ptr": "*bf16", "t_ptr": "*fp32",
                  "q_ptr": "*bf16", "a_ptr": "*bf16", "m_ptr": "*bf16", "logits_ptr": "*fp32", "kc_ptr": "*bf16",
                  "vc_ptr": "*bf16", "seqlens_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
                  "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "ctr_ptr": "*i32",
                  "trace_ptr": "*i64"}
-STEP_INTS = ("L", "hidden", "inter", "vocab", "acc_stride", "stride_kl", "stride_ks", "stride_kh")
+STEP_INTS = ("L", "hidden", "inter", "vocab", "stride_kl", "stride_ks", "stride_kh")
 
 
 def compile_step_ptx(num_splits: int = 4, kind: str = "ptx") -> str:
@@ -86,7 +86,7 @@ def compile_step_ptx(num_splits: int = 4, kind: str = "ptx") -> str:
     names = list(inspect.signature(_step_kernel.fn).parameters)
     consts = dict(H=32, HKV=32, HALF=64, D_PAD=128, NUM_SPLITS=num_splits, SPLITS_PAD=num_splits, BLOCK_H=16,
                   ATT_BLOCK_N=64, DOT_PREC="tf32", STAGES=k.stages, STAGES_U=k.u_stages, PREFETCH=k.prefetch,
-                  TRACE=False, SS_PAD=256, GATED_ROUNDS=k.gated_rounds, **k.constexprs(True, 64))
+                  TRACE=False, **k.constexprs(True, 64))
     sig = {n: STEP_POINTERS.get(n, "i32" if n in STEP_INTS else "fp32") for n in names if n not in consts}
     sig.update({n: "constexpr" for n in consts})
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in [*STEP_POINTERS, *STEP_INTS[1:]]}

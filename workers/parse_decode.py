@@ -183,8 +183,6 @@ class ParseSlots:
                 self.keep_all.copy_(self._keep_host)
             for i in sorted({self._where[self.names[m]][0] for m in np.flatnonzero(changed)}):
                 self.layers[i].refresh()  # re-pack only the layers whose factors changed
-                if self.decoder.step_kernel is not None:  # and the one-launch step's transposed V maps
-                    self.decoder.step_kernel.refresh(i)
         if self.masked:  # live widths: the union rounded up to LIVE_ALIGN, as the kernels read (padding masked out)
             for n, sz in sizes.items():
                 self.live[self._where[n]] = min(padded(sz, LIVE_ALIGN), self.widths[n])
