@@ -209,7 +209,7 @@ def _gemv_stage(ctr_ptr, rank, P, sid, prev, target, x_ptr, w_ptr, y_ptr, N, K, 
             y = acc
             if NORM:
                 y = y / tl.sqrt(ss / K + eps)
-            if RESIDUAL:
+            if RESIDUAL:  # (asked for at the item's first tile instead: o U 183 -> 194 us, step-trace-h200-s8-early.json)
                 y += tl.load(y_ptr + offs_n, mask=mask_n, other=0.0, cache_modifier=".cg").to(tl.float32)
             tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
         acc = tl.where(last, 0.0, acc)
@@ -270,11 +270,18 @@ def _qkv_u_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, w_ptr, off_q, off_k
     _wait(ctr_ptr, prev, target, mine > 0)
     y1 = tl.zeros((BLOCK_D,), dtype=tl.float32)
     y2 = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    cos = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    sin = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for j in tl.range(0, mine * nk, num_stages=STAGES):
         i, kc, last = _position(j, nk, rank, P)
         u_ptr, r, t_off, head, offs_d, p = _qkv_item(i, w_ptr, off_q, off_k, off_v, rq, rk, rv, H, HKV, BLOCK_D, NC)
         rows = head * (2 * HALF) + offs_d  # dims d of the head; their RoPE partners are rows + HALF
         mask_d = offs_d < HALF
+        if kc == 0:  # asked for at the item's first tile, used after its last (the round trip overlaps the tiles;
+            # measured twice against the kernel without it: q/k/v U 400 -> 386 us, the step 2.998 -> 2.985 ms,
+            # bench/results/step-trace-h200-s8-cos*.json vs -base-c*.json)
+            cos = tl.load(cos_ptr + pos * HALF + offs_d, mask=mask_d, other=1.0)
+            sin = tl.load(sin_ptr + pos * HALF + offs_d, mask=mask_d, other=0.0)
         offs_k = kc * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_k = offs_k < r
         mask_w = mask_d[:, None] & mask_k[None, :]
@@ -285,8 +292,6 @@ def _qkv_u_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, w_ptr, off_q, off_k
         y1 += tl.sum(w1.to(tl.float32) * tk[None, :], axis=1)  # dims d
         y2 += tl.sum(w2.to(tl.float32) * tk[None, :], axis=1)  # dims d + HALF
         if last:
-            cos = tl.load(cos_ptr + pos * HALF + offs_d, mask=mask_d, other=1.0)
-            sin = tl.load(sin_ptr + pos * HALF + offs_d, mask=mask_d, other=0.0)
             is_v = p >= H + HKV
             o1 = tl.where(is_v, y1, y1 * cos - y2 * sin)
             o2 = tl.where(is_v, y2, y2 * cos + y1 * sin)
