@@ -32,8 +32,10 @@ different ranks (Dobi-SVD) or shared bases packed per layer (Basis Sharing); ran
 the compiler as multiples of 16 (checked at build), without which every weight load is a scalar 2-byte load.
 
 Measured on the H200 (decode.md, LLaMA-7B shape, bf16, B = 1, graph replay, greedy argmax in the graph):
-svd-llm keep 0.6 2.998 vs 3.227 ms/token for the per-kernel step, dobi 3.128 vs 3.275, basis-sharing 3.536 vs 3.626,
-prompt 2048 3.261 vs 3.520. Where the time goes, stage by stage: bench/step_trace.py (StepKernelConfig.trace).
+svd-llm keep 0.6 2.981 vs 3.219 ms/token for the per-kernel step, dobi 3.115 vs 3.272, basis-sharing 3.528 vs 3.612,
+prompt 2048 3.253 vs 3.521 (session 8). Fusing each U map with the next V map by row blocks (6 stages a layer instead
+of 9) was measured slower (3.40 ms at best) and reverted: a stage's time follows its programs' pipelined steps more
+than its barrier (decode.md). Where the time goes, stage by stage: bench/step_trace.py (StepKernelConfig.trace).
 """
 
 import math
