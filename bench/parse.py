@@ -176,11 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def load_cached(cache: str | Path, model: str | Path, base: str, tag: str):
+def load_cached(cache: str | Path, model: str | Path, base: str, tag: str, pool_factor: float = 2.0):
     """(tokenizer, dense, static, PARSE pool model, routers) from the checkpoints main() cached, fp32 on the CPU;
     None (after saying which is missing on stderr) when they are not there yet."""
     static_dir = Path(cache) / f"{Path(model).name}-{base}-0.6"
-    parse_dir = Path(cache) / f"{Path(model).name}-parse-{base}-0.6-x2-{tag}"
+    parse_dir = Path(cache) / f"{Path(model).name}-parse-{base}-0.6-x{pool_factor:g}-{tag}"
     for d in (static_dir, parse_dir):
         if not d.is_dir():
             print(f"error: {d} is missing; run python -m rankserve.bench.parse first", file=sys.stderr)
