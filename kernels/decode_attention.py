@@ -137,19 +137,6 @@ def merge_group(o_ptr, lse_ptr, stride_oh, stride_os, stride_lh, offs_h, mask_g,
 
 
 @triton.jit
-def merge_splits(o_ptr, lse_ptr, stride_s, offs_d, mask_d, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """One head's output from its splits' partials o (NUM_SPLITS rows stride_s apart) and lse (contiguous):
-    sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m) -> (D_PAD,) fp32. Split 0 is never empty."""
-    offs_s = tl.arange(0, SPLITS_PAD)
-    mask_s = offs_s < NUM_SPLITS
-    lse = tl.load(lse_ptr + offs_s, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
-    w = tl.exp2(lse - tl.max(lse, axis=0))  # (SPLITS_PAD,), 0 for empty splits
-    o = tl.load(o_ptr + offs_s[:, None] * stride_s + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :],
-                other=0.0, cache_modifier=".cg")  # (SPLITS_PAD, D_PAD)
-    return tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
-
-
-@triton.jit
 def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
                          stride_ob, stride_oh, D: tl.constexpr, D_PAD: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
@@ -158,11 +145,13 @@ def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_mb, stride_mh, 
         gdc_launch_dependents()
         gdc_wait()
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    offs_h = tl.program_id(1) + tl.arange(0, 1)  # one query head a program: a group of 1
     offs_d = tl.arange(0, D_PAD)
-    out = merge_splits(mid_o_ptr + b * stride_mb + h * stride_mh, mid_lse_ptr + b * stride_lb + h * stride_lh,
-                       stride_ms, offs_d, offs_d < D, NUM_SPLITS, SPLITS_PAD)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < D)
+    mask_d = offs_d < D
+    out = merge_group(mid_o_ptr + b * stride_mb, mid_lse_ptr + b * stride_lb, stride_mh, stride_ms, stride_lh, offs_h,
+                      offs_h >= 0, offs_d, mask_d, 1, D_PAD, NUM_SPLITS, SPLITS_PAD)  # (1, D_PAD)
+    tl.store(out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mask_d[None, :])
 
 
 def default_num_splits(S_max: int, B: int, H_kv: int, num_sms: int = 132, min_keys: int = 256) -> int:
