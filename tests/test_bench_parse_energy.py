@@ -5,20 +5,14 @@ Run alone: .venv/bin/python -m pytest tests/test_bench_parse_energy.py -q
 
 import torch
 
-from rankserve.bench.parse_energy import Energies
-from rankserve.workers.config import ModelConfig
-from rankserve.workers.model import PROJS, Transformer, proj_name
+from tiny_factorized import CFG, tiny_model
 
-CFG = ModelConfig(vocab_size=31, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=32)
+from rankserve.bench.parse_energy import Energies
+from rankserve.workers.model import proj_name
 
 
 def test_energies_match_a_direct_computation():
-    torch.manual_seed(0)
-    model = Transformer(CFG, {proj_name(0, p): 6 for p in PROJS}).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.3)
+    model = tiny_model(6)
     names = [proj_name(0, "q"), proj_name(0, "down")]
     seen = {}
     hooks = [model.projections()[n].register_forward_hook(lambda m, i, o, n=n: seen.__setitem__(n, i[0]))

@@ -6,21 +6,15 @@ Run alone: .venv/bin/python -m pytest tests/test_bench_parse_shrink.py -q
 
 import torch
 
-from rankserve.bench.parse_shrink import all_scores, subsets
-from rankserve.workers.config import ModelConfig
-from rankserve.workers.model import PROJS, Transformer, proj_name
-from rankserve.workers.parse import Routers, select_batch
+from tiny_factorized import CFG, tiny_model
 
-CFG = ModelConfig(vocab_size=31, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=32)
+from rankserve.bench.parse_shrink import all_scores, subsets
+from rankserve.workers.model import proj_name
+from rankserve.workers.parse import Routers, select_batch
 
 
 def test_live_scores_match_select_batch_and_beta_zero_is_one_subset():
-    torch.manual_seed(0)
-    model = Transformer(CFG, {proj_name(0, p): 8 for p in PROJS}).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.3)
+    model = tiny_model(8)
     lins = model.projections()
     names = [proj_name(0, "q"), proj_name(0, "up")]
     routers = Routers(R={n: torch.randn(8, lins[n].in_features) for n in names}, b={n: torch.randn(8) for n in names},
