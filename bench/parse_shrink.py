@@ -57,7 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     if loaded is None:
         return 2
     tok, dense, static, model, routers = loaded
-    torch.manual_seed(0)
     test = test_windows(tok, 256, a.max_tokens)
     valid = _windows(Path(WIKI_VALID).read_text(encoding="utf-8", errors="replace"), tok, 256, a.mean_prompts)
     mean = {m: s.mean(0) for m, s in all_scores(model, routers, valid, a.prompt_len).items()}  # s̄ (r_max,)
