@@ -57,6 +57,7 @@ META = ("Vqkv", "Uq", "Uk", "Uv", "Vo", "Uo", "Vgu", "Ug", "Uu", "Vd", "Ud")  # 
 Tile = tuple[int, int]  # (weight rows an item, columns a tile of the reduction)
 V_STAGES = ("qkv_v", "o_v", "gate_up_v", "down_v", "head")  # reduce over the hidden / intermediate size (bf16 input)
 U_STAGES = ("qkv_u", "o_u", "gate_up_u", "down_u")  # reduce over a rank (fp32 t); qkv_u rows: dims of a half-head
+XO_STAGES = ("QKV_V", "O_V", "GATE_UP_V", "HEAD")  # the V stages whose input has the hidden size (x_once)
 
 
 @dataclass
@@ -74,9 +75,25 @@ class StepKernelConfig:
     down_v: Tile = (2, 4096)
     down_u: Tile = (8, 1024)
     head: Tile = (2, 4096)
-    stages: int = 3  # software-pipeline depth of the V stages' weight stream (tiles in flight + 1), shared memory
-    u_stages: int = 3  # the same for the U stages
-    num_warps: int = 4
+    # software-pipeline depths (tiles in flight + 1, through shared memory): the V stages but down V, the U stages
+    # but gate/up, gate/up U (two tiles a step), down V (input wider than a tile). Deeper is slower on the H200 even
+    # where shared memory allows it (V stages 5 / 6 deep: 3.065 / 3.114 ms, U 5 deep 3.069, vs 2.973 at 3;
+    # bench/results/step-trace-h200-s9-depth.json)
+    stages: int = 3
+    u_stages: int = 3
+    gu_stages: int = 3
+    dv_stages: int = 3
+    # V stages whose input fits one tile (K <= its width: all but down V at the 7B shape) read it once a stage into
+    # registers instead of once a step through the pipeline's shared memory (measured: 2.989 -> 2.973 ms a step,
+    # q/k/v V 308 -> 295 us, o V 152 -> 145, the head 68 -> 63; step-trace-h200-s9-depth.json)
+    x_once: bool = True
+    # x_once stages wait for the previous stage inside their pipelined loop (at its first step), so the loop's
+    # prologue — its first STAGES - 1 weight tiles into shared memory — is issued before the wait, while the previous
+    # stage still runs (measured: 2.970 -> 2.948 ms a step, twice in one run, step-trace-h200-s9-wil.json). The U
+    # stages read their input a tile a step through the same pipeline, which must not start before the wait.
+    wait_in_loop: bool = True
+    num_warps: int = 4  # 8 warps measured slower: 3.54 ms at one program an SM, 3.95-4.13 with registers capped for
+    # two (spills; step-trace-h200-s9-warps.json)
     # GPU: the first tiles of a program's (items x tiles of K) sequence of a stage asked of L2 before it waits for
     # the previous stage (measured, decode.md: 1 tile 3.158 ms vs 2 tiles 3.221 in one run, 2 / 4 / 8 tiles
     # 3.18 / 3.35 / 4.00 in another: asking for more competes with the stage's stragglers)
@@ -100,7 +117,7 @@ class StepKernelConfig:
             if width < least:
                 raise ValueError(f"one-launch {name} tile too narrow for {self.num_warps} warps: width >= {least} "
                                  f"needed, got {width}")
-        if min(self.stages, self.u_stages) < 1:
+        if min(self.stages, self.u_stages, self.gu_stages, self.dv_stages) < 1:
             raise ValueError("one-launch pipeline depths must be >= 1")
         if self.prefetch < 0:
             raise ValueError(f"prefetch must be >= 0 tiles, got {self.prefetch}")
@@ -183,19 +200,37 @@ def _mine(n, rank, P):
 @triton.jit
 def _gemv_stage(ctr_ptr, rank, P, sid, prev, target, x_ptr, w_ptr, y_ptr, N, K, eps,
                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                STAGES: tl.constexpr, PREFETCH: tl.constexpr):
+                STAGES: tl.constexpr, PREFETCH: tl.constexpr, X_ONCE: tl.constexpr = False,
+                WAIT_IN_LOOP: tl.constexpr = False):
     """y[n] (+)= sum_k w[n, k] x[k] for n < N, BLOCK_N rows an item; RESIDUAL adds into y (each row one owner).
     One software-pipelined loop over (this program's items x tiles of K): the weight stream stays STAGES - 1
     tiles ahead across item boundaries, through shared memory, not registers. x was written by other programs
     of this launch: read from L2 (.cg)."""
     nk = tl.cdiv(K, BLOCK_K)
     mine = _mine(tl.cdiv(N, BLOCK_N), rank, P)
-    if PREFETCH > 0:
+    EARLY: tl.constexpr = X_ONCE and WAIT_IN_LOOP
+    if PREFETCH > 0 and not EARLY:
         _l2_prefetch(w_ptr, rank, P, mine, nk, N, K, BLOCK_N, BLOCK_K, PREFETCH)
-    _wait(ctr_ptr, prev, target, mine > 0)
+    if not EARLY:
+        _wait(ctr_ptr, prev, target, mine > 0)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     ss = 0.0
+    offs_x = tl.arange(0, BLOCK_K)
+    x1 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    inv = 1.0
+    if X_ONCE and not EARLY:  # K <= BLOCK_K: x read once a stage, outside the pipelined loop (only weights go
+        # through shared memory)
+        x1 = tl.load(x_ptr + offs_x, mask=offs_x < K, other=0.0, cache_modifier=".cg").to(tl.float32)
+        if NORM:
+            inv = 1.0 / tl.sqrt(tl.sum(x1 * x1, axis=0) / K + eps)
     for j in tl.range(0, mine * nk, num_stages=STAGES):
+        if EARLY:  # the wait inside the loop: the pipeline's prologue (its first weight tiles into shared
+            # memory) is issued before it, while the previous stage still runs; x is read after it, once
+            if j == 0:
+                _wait(ctr_ptr, prev, target, True)
+                x1 = tl.load(x_ptr + offs_x, mask=offs_x < K, other=0.0, cache_modifier=".cg").to(tl.float32)
+                if NORM:
+                    inv = 1.0 / tl.sqrt(tl.sum(x1 * x1, axis=0) / K + eps)
         i, kc, last = _position(j, nk, rank, P)
         offs_n = i * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = kc * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -203,13 +238,19 @@ def _gemv_stage(ctr_ptr, rank, P, sid, prev, target, x_ptr, w_ptr, y_ptr, N, K, 
         mask_k = offs_k < K
         w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
                     other=0.0, eviction_policy="evict_first")
-        xk = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0, cache_modifier=".cg").to(tl.float32)
-        acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
-        if NORM:
-            ss += tl.sum(xk * xk, axis=0)
+        if X_ONCE:
+            acc += tl.sum(w.to(tl.float32) * x1[None, :], axis=1)
+        else:
+            xk = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0, cache_modifier=".cg").to(tl.float32)
+            acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
+            if NORM:
+                ss += tl.sum(xk * xk, axis=0)
         if last:
             y = acc
-            if NORM:
+            if X_ONCE:
+                if NORM:
+                    y = y * inv
+            elif NORM:
                 y = y / tl.sqrt(ss / K + eps)
             if RESIDUAL:  # (asked for at the item's first tile instead: o U 183 -> 194 us, step-trace-h200-s8-early.json)
                 y += tl.load(y_ptr + offs_n, mask=mask_n, other=0.0, cache_modifier=".cg").to(tl.float32)
@@ -417,7 +458,8 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
                  BN_GATE_UP_V: tl.constexpr, BK_GATE_UP_V: tl.constexpr, BN_GATE_UP_U: tl.constexpr,
                  BK_GATE_UP_U: tl.constexpr, BN_DOWN_V: tl.constexpr, BK_DOWN_V: tl.constexpr,
                  BN_DOWN_U: tl.constexpr, BK_DOWN_U: tl.constexpr, BN_HEAD: tl.constexpr, BK_HEAD: tl.constexpr,
-                 STAGES: tl.constexpr, STAGES_U: tl.constexpr,
+                 STAGES: tl.constexpr, STAGES_U: tl.constexpr, STAGES_GU: tl.constexpr, STAGES_DV: tl.constexpr, XO_HIDDEN: tl.constexpr, WIL: tl.constexpr,
+                 XO_INTER: tl.constexpr,
                  PREFETCH: tl.constexpr, TRACE: tl.constexpr):
     D: tl.constexpr = 2 * HALF
     NS = L * SLOTS + 1  # stages: SLOTS a layer, then the head
@@ -437,7 +479,7 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
         _stamp(trace_ptr, rank, s0, NS, TRACE)
         _gemv_stage(ctr_ptr, rank, P, s0, tl.maximum(s0 - 1, 0), tl.where(layer == 0, 0, P), x_ptr,
                     _weight(w_ptr, mp, 0), t_ptr, rq + rk + rv, hidden, eps, True, False, BN_QKV_V, BK_QKV_V,
-                    STAGES, PREFETCH)
+                    STAGES, PREFETCH, XO_HIDDEN, WIL)
         _stamp(trace_ptr, rank, s0 + 1, NS, TRACE)
         _qkv_u_stage(ctr_ptr, rank, P, s0 + 1, s0, P, t_ptr, w_ptr, _offset(mp, 1), _offset(mp, 2), _offset(mp, 3),
                      rq, rk, rv, cos_ptr, sin_ptr, pos, q_ptr, kc, vc, stride_ks, stride_kh, H, HKV, HALF, BN_QKV_U,
@@ -448,26 +490,26 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
                          HKV, D, D_PAD, BLOCK_H, ATT_BLOCK_N, NUM_SPLITS, SPLITS_PAD, DOT_PREC)
         _stamp(trace_ptr, rank, s0 + 4, NS, TRACE)
         _gemv_stage(ctr_ptr, rank, P, s0 + 4, s0 + 2, P, a_ptr, _weight(w_ptr, mp, 4), t_ptr, ro, H * D, eps, False,
-                    False, BN_O_V, BK_O_V, STAGES, PREFETCH)
+                    False, BN_O_V, BK_O_V, STAGES, PREFETCH, XO_HIDDEN, WIL)
         _stamp(trace_ptr, rank, s0 + 5, NS, TRACE)
         _gemv_stage(ctr_ptr, rank, P, s0 + 5, s0 + 4, P, t_ptr, _weight(w_ptr, mp, 5), x_ptr, hidden, ro, eps, False,
                     True, BN_O_U, BK_O_U, STAGES_U, PREFETCH)
         _stamp(trace_ptr, rank, s0 + 6, NS, TRACE)
         _gemv_stage(ctr_ptr, rank, P, s0 + 6, s0 + 5, P, x_ptr, _weight(w_ptr, mp, 6), t_ptr, rg + ru, hidden, eps,
-                    True, False, BN_GATE_UP_V, BK_GATE_UP_V, STAGES, PREFETCH)
+                    True, False, BN_GATE_UP_V, BK_GATE_UP_V, STAGES, PREFETCH, XO_HIDDEN, WIL)
         _stamp(trace_ptr, rank, s0 + 7, NS, TRACE)
         _gate_up_stage(ctr_ptr, rank, P, s0 + 7, s0 + 6, P, t_ptr, _weight(w_ptr, mp, 7), _weight(w_ptr, mp, 8), m_ptr,
-                       inter, rg, ru, BN_GATE_UP_U, BK_GATE_UP_U, STAGES_U, PREFETCH)
+                       inter, rg, ru, BN_GATE_UP_U, BK_GATE_UP_U, STAGES_GU, PREFETCH)
         _stamp(trace_ptr, rank, s0 + 8, NS, TRACE)
         _gemv_stage(ctr_ptr, rank, P, s0 + 8, s0 + 7, P, m_ptr, _weight(w_ptr, mp, 9), t_ptr, rd, inter, eps, False,
-                    False, BN_DOWN_V, BK_DOWN_V, STAGES, PREFETCH)
+                    False, BN_DOWN_V, BK_DOWN_V, STAGES_DV, PREFETCH, XO_INTER)
         _stamp(trace_ptr, rank, s0 + 9, NS, TRACE)
         _gemv_stage(ctr_ptr, rank, P, s0 + 9, s0 + 8, P, t_ptr, _weight(w_ptr, mp, 10), x_ptr, hidden, rd, eps, False,
                     True, BN_DOWN_U, BK_DOWN_U, STAGES_U, PREFETCH)
     # final norm (folded into the head's columns) + LM head, fp32 logits
     _stamp(trace_ptr, rank, NS - 1, NS, TRACE)
     _gemv_stage(ctr_ptr, rank, P, NS - 1, NS - 2, P, x_ptr, head_ptr, logits_ptr, vocab, hidden, eps, True, False,
-                BN_HEAD, BK_HEAD, STAGES, PREFETCH)
+                BN_HEAD, BK_HEAD, STAGES, PREFETCH, XO_HIDDEN, WIL)
     _stamp(trace_ptr, rank, NS, NS, TRACE)
 
 
@@ -519,6 +561,7 @@ class StepKernel:
         H, HKV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         kc, vc = b["k_cache"], b["v_cache"]  # (L, 1, S_max, H_kv, D)
         on_gpu = kc.is_cuda
+        tiles = k.constexprs(on_gpu, D // 2)
         self.ctr.zero_()
         kernel = _step_kernel[self.grid](
             self.base, self.meta, self.head_n, b["x"], b["t"], b["q"], b["a"], b["m"], b["logits"], kc, vc,
@@ -528,8 +571,12 @@ class StepKernel:
             H=H, HKV=HKV, HALF=D // 2, D_PAD=triton.next_power_of_2(D), NUM_SPLITS=self.num_splits,
             SPLITS_PAD=triton.next_power_of_2(self.num_splits), BLOCK_H=max(16, triton.next_power_of_2(H // HKV)),
             ATT_BLOCK_N=k.att_block_n if on_gpu else 16, DOT_PREC="ieee" if kc.dtype == torch.float32 else "tf32",
-            **k.constexprs(on_gpu, D // 2), STAGES=k.stages if on_gpu else 1,
-            STAGES_U=k.u_stages if on_gpu else 1, PREFETCH=k.prefetch if on_gpu else 0, TRACE=k.trace and on_gpu,
+            **tiles, STAGES=k.stages if on_gpu else 1,
+            STAGES_U=k.u_stages if on_gpu else 1, STAGES_GU=k.gu_stages if on_gpu else 1,
+            STAGES_DV=k.dv_stages if on_gpu else 1,
+            XO_HIDDEN=k.x_once and max(cfg.hidden_size, H * D) <= min(tiles[f"BK_{n}"] for n in XO_STAGES),
+            XO_INTER=k.x_once and cfg.intermediate_size <= tiles["BK_DOWN_V"], WIL=k.wait_in_loop,
+            PREFETCH=k.prefetch if on_gpu else 0, TRACE=k.trace and on_gpu,
             num_warps=k.num_warps if on_gpu else 1, **({"maxnreg": k.maxnreg} if on_gpu and k.maxnreg else {}))
         if on_gpu and self.resident is None:
             # items are dealt to programs statically, so a program may wait on any other's items: every program

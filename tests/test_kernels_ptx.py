@@ -85,7 +85,7 @@ def compile_step_ptx(num_splits: int = 4, kind: str = "ptx") -> str:
     k = StepKernelConfig()
     names = list(inspect.signature(_step_kernel.fn).parameters)
     consts = dict(H=32, HKV=32, HALF=64, D_PAD=128, NUM_SPLITS=num_splits, SPLITS_PAD=num_splits, BLOCK_H=16,
-                  ATT_BLOCK_N=64, DOT_PREC="tf32", STAGES=k.stages, STAGES_U=k.u_stages, PREFETCH=k.prefetch,
+                  ATT_BLOCK_N=64, DOT_PREC="tf32", STAGES=k.stages, STAGES_U=k.u_stages, STAGES_GU=k.gu_stages, STAGES_DV=k.dv_stages, XO_HIDDEN=k.x_once, XO_INTER=False, WIL=k.wait_in_loop, PREFETCH=k.prefetch,
                   TRACE=False, **k.constexprs(True, 64))
     sig = {n: STEP_POINTERS.get(n, "i32" if n in STEP_INTS else "fp32") for n in names if n not in consts}
     sig.update({n: "constexpr" for n in consts})
@@ -98,7 +98,9 @@ def compile_step_ptx(num_splits: int = 4, kind: str = "ptx") -> str:
 def test_one_launch_step_reads_activations_around_l1_with_vector_copies():
     """The one-launch step: activations other programs of the launch wrote must never come through L1 (an
     L1-allocating cp.async.ca read stale lines on the H200), weights stream as 16-byte copies, not scalar loads,
-    and each stage's first tiles are asked of L2 before the program waits on the previous stage."""
+    and a stage's first weight tiles are on their way before the program waits on the previous stage: copied into
+    shared memory by the pipeline's prologue where the wait is inside the loop (the V stages, wait_in_loop), asked of
+    L2 elsewhere."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_kernels_ptx as t; "
             f"print(json.dumps(t.compile_step_ptx()))")
@@ -110,5 +112,9 @@ def test_one_launch_step_reads_activations_around_l1_with_vector_copies():
     assert all(" 0x10," in l for l in copies), "async copies narrower than 16 bytes"
     scalar_weights = [l for l in lines if "ld.global" in l and "evict_first" in l and ".b16" in l and ".v" not in l]
     assert not scalar_weights, f"{len(scalar_weights)} scalar 2-byte weight loads"
-    first_poll = next(i for i, l in enumerate(lines) if "ld.global.gpu.acquire" in l)
-    assert any("prefetch.global.L2" in l for l in lines[:first_poll]), "no L2 prefetch before the first stage wait"
+    polls = [i for i, l in enumerate(lines) if "ld.global.gpu.acquire" in l]
+    # q/k/v V (wait in the loop): 2 tiles of 2 x 4096 bf16 over 128 threads, 8 copies of 16 bytes a tile and thread
+    early = [l for l in lines[:polls[0]] if "cp.async.cg" in l and ".shared.global" in l]
+    assert len(early) >= 16, f"q/k/v V: {len(early)} weight copies before its wait, 16 expected"
+    # q/k/v U (wait before the loop): its first tiles asked of L2 between the two waits
+    assert any("prefetch.global.L2" in l for l in lines[polls[0]:polls[1]]), "no L2 prefetch before the U wait"
