@@ -11,8 +11,9 @@ Scheduling. A stage is a list of items (a block of weight rows, a RoPE head chun
 by rank: rank r takes items r, r + P, r + 2P, ... (P programs; ranks drawn from an atomic ticket as programs
 start). A program with items in a stage first asks L2 for its first weight tiles, then waits until the previous
 stage's done counter reaches P (an acquiring read), then runs one software-pipelined loop over (its items x tiles
-of K), so the weight stream stays `stages - 1` tiles ahead through shared memory across item boundaries; at the
-end every program, items or not, adds 1 to the stage's done counter (release). With several attention splits the
+of K), so the weight stream stays `stages - 1` tiles ahead through shared memory across item boundaries (the V
+stages with a hidden-size input read it once and wait at the loop's first step instead: the loop's prologue copies
+their first weight tiles into shared memory before the wait); at the end every program, items or not, adds 1 to the stage's done counter (release). With several attention splits the
 last split of a kv head to finish merges the head's partials (a counter per layer and kv head), not a stage. A
 program may wait on any other's items, so all P must be resident at once: StepKernel caps P at the compiled
 kernel's occupancy (registers, shared memory), and under the CPU interpreter, which runs programs one after the
@@ -32,10 +33,12 @@ different ranks (Dobi-SVD) or shared bases packed per layer (Basis Sharing); ran
 the compiler as multiples of 16 (checked at build), without which every weight load is a scalar 2-byte load.
 
 Measured on the H200 (decode.md, LLaMA-7B shape, bf16, B = 1, graph replay, greedy argmax in the graph):
-svd-llm keep 0.6 2.981 vs 3.219 ms/token for the per-kernel step, dobi 3.115 vs 3.272, basis-sharing 3.528 vs 3.612,
-prompt 2048 3.253 vs 3.521 (session 8). Fusing each U map with the next V map by row blocks (6 stages a layer instead
-of 9) was measured slower (3.40 ms at best) and reverted: a stage's time follows its programs' pipelined steps more
-than its barrier (decode.md). Where the time goes, stage by stage: bench/step_trace.py (StepKernelConfig.trace).
+svd-llm keep 0.6 2.953 vs 3.226 ms/token for the per-kernel step, dobi 3.074 vs 3.275, basis-sharing 3.457 vs 3.668,
+prompt 2048 3.190 vs 3.477 (session 9). The V stages read x once and wait inside their pipelined loop, so its
+prologue's weight tiles are asked for before the wait (x_once, wait_in_loop). Fusing each U map with the next V map
+by row blocks (6 stages a layer instead of 9) was measured slower (3.40 ms at best) and reverted: a stage's time
+follows its programs' pipelined steps more than its barrier (decode.md); so were deeper pipelines and 8 warps.
+Where the time goes, stage by stage: bench/step_trace.py (StepKernelConfig.trace).
 """
 
 import math
