@@ -13,11 +13,15 @@ start). A program with items in a stage first asks L2 for its first weight tiles
 stage's done counter reaches P (an acquiring read), then runs one software-pipelined loop over (its items x tiles
 of K), so the weight stream stays `stages - 1` tiles ahead through shared memory across item boundaries (the V
 stages with a hidden-size input read it once and wait at the loop's first step instead: the loop's prologue copies
-their first weight tiles into shared memory before the wait); at the end every program, items or not, adds 1 to the stage's done counter (release). With several attention splits the
-last split of a kv head to finish merges the head's partials (a counter per layer and kv head), not a stage. A
-program may wait on any other's items, so all P must be resident at once: StepKernel caps P at the compiled
-kernel's occupancy (registers, shared memory), and under the CPU interpreter, which runs programs one after the
-other, P = 1.
+their first weight tiles into shared memory before the wait); at the end every program, items or not, adds 1 to
+the stage's done counter (release). With several attention splits the last split of a kv head to finish merges the
+head's partials (a counter per layer and kv head), not a stage. Down V (split_down_v) has no stage wait: gate/up U
+deals each program a contiguous run of items and, when done, counts them per column block of down V; down V's items
+(a column block x rows) wait for their block's count, so the programs without gate/up U's extra item stream down V's
+complete blocks while the others finish, adding into their own fp32 output with atomics (whose order varies, so the
+step is not bitwise reproducible run to run; with split_down_v=False it is). A program may wait on any other's
+items, so all P must be resident at once: StepKernel caps P at the compiled kernel's occupancy (registers, shared
+memory), and under the CPU interpreter, which runs programs one after the other, P = 1.
 Other work on the GPU only delays programs (they start as it drains); a GPU whose SMs are partitioned (MPS limits)
 could keep some from ever starting: use the per-kernel step there (DecodeConfig.one_launch=False).
 
@@ -26,7 +30,8 @@ around L1: `.cg` loads, and in the pipelined loops 16-byte `cp.async.cg` copies.
 `cp.async.ca` for narrower per-thread vectors, which read stale lines (measured: wrong logits with 512-wide bf16
 tiles at 4 warps), hence StepKernelConfig's minimum tile widths; tests/test_kernels_ptx.py checks the compiled
 kernel has no `cp.async.ca`. Every stage reads what the previous one wrote; a buffer reused by a later stage
-(t, a) is rewritten only after a stage in between completed, so all its readers are done.
+(t, a) is rewritten only after a stage in between completed, so all its readers are done; down V's fp32 output (td)
+is zeroed once the next layer's q/k/v V is complete (its reader, down U, is done by then).
 
 Addressing. Weights are element offsets from one base tensor (an int64 table a layer), so layers may have
 different ranks (Dobi-SVD) or shared bases packed per layer (Basis Sharing); ranks and offsets are promised to
@@ -35,7 +40,8 @@ the compiler as multiples of 16 (checked at build), without which every weight l
 Measured on the H200 (decode.md, LLaMA-7B shape, bf16, B = 1, graph replay, greedy argmax in the graph):
 svd-llm keep 0.6 2.953 vs 3.226 ms/token for the per-kernel step, dobi 3.074 vs 3.275, basis-sharing 3.457 vs 3.668,
 prompt 2048 3.190 vs 3.477 (session 9). The V stages read x once and wait inside their pipelined loop, so its
-prologue's weight tiles are asked for before the wait (x_once, wait_in_loop). Fusing each U map with the next V map
+prologue's weight tiles are asked for before the wait (x_once, wait_in_loop); down V by column blocks (split_down_v,
+added after that run): svd-llm 2.910 ms in a later run. Fusing each U map with the next V map
 by row blocks (6 stages a layer instead of 9) was measured slower (3.40 ms at best) and reverted: a stage's time
 follows its programs' pipelined steps more than its barrier (decode.md); so were deeper pipelines and 8 warps.
 Where the time goes, stage by stage: bench/step_trace.py (StepKernelConfig.trace).
@@ -91,10 +97,15 @@ class StepKernelConfig:
     # q/k/v V 308 -> 295 us, o V 152 -> 145, the head 68 -> 63; step-trace-h200-s9-depth.json)
     x_once: bool = True
     # x_once stages wait for the previous stage inside their pipelined loop (at its first step), so the loop's
-    # prologue — its first STAGES - 1 weight tiles into shared memory — is issued before the wait, while the previous
+    # prologue (its first STAGES - 1 weight tiles into shared memory) is issued before the wait, while the previous
     # stage still runs (measured: 2.970 -> 2.948 ms a step, twice in one run, step-trace-h200-s9-wil.json). The U
     # stages read their input a tile a step through the same pipeline, which must not start before the wait.
     wait_in_loop: bool = True
+    # down V by column blocks of its tile width, started block by block as gate/up U completes them (per-block
+    # counters instead of the stage barrier), fp32 atomic adds into its own output (_down_v_blocks). Measured:
+    # 2.950 -> 2.909 ms a step, twice in one run (down V's span 408 -> 365 us; step-trace-h200-s9-splitdv2.json).
+    # Its atomics make the step's result depend on their order (not bitwise reproducible run to run).
+    split_down_v: bool = True
     num_warps: int = 4  # 8 warps measured slower: 3.54 ms at one program an SM, 3.95-4.13 with registers capped for
     # two (spills; step-trace-h200-s9-warps.json)
     # GPU: the first tiles of a program's (items x tiles of K) sequence of a stage asked of L2 before it waits for
@@ -122,6 +133,9 @@ class StepKernelConfig:
                                  f"needed, got {width}")
         if min(self.stages, self.u_stages, self.gu_stages, self.dv_stages) < 1:
             raise ValueError("one-launch pipeline depths must be >= 1")
+        if self.split_down_v and self.down_v[1] % self.gate_up_u[0]:
+            raise ValueError(f"split_down_v: gate/up U items of {self.gate_up_u[0]} rows must tile down V's "
+                             f"{self.down_v[1]}-column blocks")
         if self.prefetch < 0:
             raise ValueError(f"prefetch must be >= 0 tiles, got {self.prefetch}")
         if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
@@ -264,19 +278,40 @@ def _gemv_stage(ctr_ptr, rank, P, sid, prev, target, x_ptr, w_ptr, y_ptr, N, K, 
 
 
 @triton.jit
-def _gate_up_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, ug_ptr, uu_ptr, m_ptr, N, rg, ru,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr):
-    """m[n] = silu(Ug[n] . t[:rg]) * (Uu[n] . t[rg:]) for n < N (pipelined as _gemv_stage)."""
+def _gate_up_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, ug_ptr, uu_ptr, m_ptr, N, rg, ru, blk_ptr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+                   BK_BLK: tl.constexpr = 0):
+    """m[n] = silu(Ug[n] . t[:rg]) * (Uu[n] . t[rg:]) for n < N (pipelined as _gemv_stage). BK_BLK > 0: m is read
+    by blocks of BK_BLK rows (_down_v_blocks): each program takes a contiguous run of items (the first n mod P programs
+    one more) and, after its loop, adds its items of each block to the block's counter (blk_ptr, PAD apart,
+    release). Counting inside the loop (a barrier and an atomic at block changes) stopped triton pipelining it."""
     nk = tl.cdiv(tl.maximum(rg, ru), BLOCK_K)
-    mine = _mine(tl.cdiv(N, BLOCK_N), rank, P)
-    if PREFETCH > 0:
+    n = tl.cdiv(N, BLOCK_N)
+    if BK_BLK > 0:
+        q = n // P
+        first = rank * q + tl.minimum(rank, n - q * P)  # this program's items: first .. first + mine - 1
+        mine = q + (rank < n - q * P).to(tl.int32)
+    else:
+        first = rank
+        mine = _mine(n, rank, P)
+    if PREFETCH > 0 and BK_BLK == 0:
         _l2_prefetch(ug_ptr, rank, P, mine, nk, N, rg, BLOCK_N, BLOCK_K, PREFETCH)
         _l2_prefetch(uu_ptr, rank, P, mine, nk, N, ru, BLOCK_N, BLOCK_K, PREFETCH)
+    elif PREFETCH > 0:  # the first tile of the run
+        rows = first * BLOCK_N + tl.arange(0, BLOCK_N)
+        _prefetch_tile(ug_ptr, rows, (rows < N) & (mine > 0), rg, 0, BLOCK_K)
+        _prefetch_tile(uu_ptr, rows, (rows < N) & (mine > 0), ru, 0, BLOCK_K)
     _wait(ctr_ptr, prev, target, mine > 0)
     g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for j in tl.range(0, mine * nk, num_stages=STAGES):
-        i, kc, last = _position(j, nk, rank, P)
+        if BK_BLK > 0:
+            it = j // nk
+            kc = j - it * nk
+            i = first + it
+            last = kc == nk - 1
+        else:
+            i, kc, last = _position(j, nk, rank, P)
         offs_n = i * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = kc * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_n = offs_n < N
@@ -292,7 +327,62 @@ def _gate_up_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, ug_ptr, uu_ptr, m
             tl.store(m_ptr + offs_n, (g / (1.0 + tl.exp(-g)) * u).to(m_ptr.dtype.element_ty), mask=mask_n)
         g = tl.where(last, 0.0, g)
         u = tl.where(last, 0.0, u)
+    if BK_BLK > 0:
+        if mine > 0:
+            tl.debug_barrier()  # every thread's m stores issued before the releases
+            per: tl.constexpr = BK_BLK // BLOCK_N  # items a block
+            for b in range(first // per, (first + mine - 1) // per + 1):
+                cnt = tl.minimum(first + mine, (b + 1) * per) - tl.maximum(first, b * per)
+                tl.atomic_add(blk_ptr + b * PAD, cnt, sem="release")
     _leave(ctr_ptr, sid)
+
+
+@triton.jit
+def _down_v_blocks(ctr_ptr, blk_ptr, rank, P, sid, m_ptr, w_ptr, td_ptr, N, K, BN_GU: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """td[n] += sum_k w[n, k] m[k] for n < N by items (column block c of BLOCK_K, BLOCK_N rows), block by block, one
+    step an item, fp32 atomic adds (td zeroed by _zero earlier in the layer). No stage wait: before its first item of
+    block c a program waits until gate/up U's items of that block are all counted (blk_ptr[c * PAD], acquire), so a
+    program done with gate/up U works on the blocks already complete while the stage's stragglers finish the last
+    one; the pipelined weight stream runs ahead across those waits. Blocks are visited from the second on (block 0,
+    where gate/up U's programs with an extra item work, last) and items dealt from the last rank down, so those
+    programs (the first ranks) are the last to get an extra one here."""
+    nr = tl.cdiv(N, BLOCK_N)
+    nb = tl.cdiv(K, BLOCK_K)
+    me = P - 1 - rank
+    mine = _mine(nb * nr, me, P)
+    offs_x = tl.arange(0, BLOCK_K)
+    x1 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    cur = -1
+    for j in tl.range(0, mine, num_stages=STAGES):
+        k = me + j * P
+        c = k // nr
+        rb = k - c * nr
+        c = (c + 1) % nb  # block 0 last: gate/up U's programs with an extra item all work in it
+        if c != cur:
+            need = tl.cdiv(tl.minimum(BLOCK_K, K - c * BLOCK_K), BN_GU)
+            while tl.atomic_add(blk_ptr + c * PAD, 0, sem="acquire") < need:
+                pass
+            offs = c * BLOCK_K + offs_x
+            x1 = tl.load(m_ptr + offs, mask=offs < K, other=0.0, cache_modifier=".cg").to(tl.float32)
+            cur = c
+        offs_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = c * BLOCK_K + offs_x
+        mask_n = offs_n < N
+        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :],
+                    other=0.0, eviction_policy="evict_first")
+        tl.atomic_add(td_ptr + offs_n, tl.sum(w.to(tl.float32) * x1[None, :], axis=1), mask=mask_n, sem="relaxed")
+    _leave(ctr_ptr, sid)
+
+
+@triton.jit
+def _zero(ctr_ptr, after, rank, P, y_ptr, n, BLOCK: tl.constexpr):
+    """y[:n] = 0, BLOCK elements at a time dealt over the programs, once stage `after` is complete."""
+    if rank * BLOCK < n:
+        _wait(ctr_ptr, after, P, True)
+        for lo in range(rank * BLOCK, n, P * BLOCK):
+            offs = lo + tl.arange(0, BLOCK)
+            tl.store(y_ptr + offs, tl.zeros((BLOCK,), dtype=y_ptr.dtype.element_ty), mask=offs < n)
 
 
 @triton.jit
@@ -451,8 +541,8 @@ def _rank(mp, j):
 
 @triton.jit
 def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, logits_ptr, kc_ptr, vc_ptr,
-                 seqlens_ptr, cos_ptr, sin_ptr, mid_o_ptr, mid_lse_ptr, ctr_ptr, trace_ptr,
-                 L, hidden, inter, vocab, stride_kl, stride_ks, stride_kh, eps, qk_scale,
+                 seqlens_ptr, cos_ptr, sin_ptr, mid_o_ptr, mid_lse_ptr, ctr_ptr, trace_ptr, td_ptr,
+                 L, hidden, inter, vocab, stride_kl, stride_ks, stride_kh, eps, qk_scale, blk_off,
                  H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, D_PAD: tl.constexpr,
                  NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
                  ATT_BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -461,8 +551,9 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
                  BN_GATE_UP_V: tl.constexpr, BK_GATE_UP_V: tl.constexpr, BN_GATE_UP_U: tl.constexpr,
                  BK_GATE_UP_U: tl.constexpr, BN_DOWN_V: tl.constexpr, BK_DOWN_V: tl.constexpr,
                  BN_DOWN_U: tl.constexpr, BK_DOWN_U: tl.constexpr, BN_HEAD: tl.constexpr, BK_HEAD: tl.constexpr,
-                 STAGES: tl.constexpr, STAGES_U: tl.constexpr, STAGES_GU: tl.constexpr, STAGES_DV: tl.constexpr, XO_HIDDEN: tl.constexpr, WIL: tl.constexpr,
-                 XO_INTER: tl.constexpr,
+                 STAGES: tl.constexpr, STAGES_U: tl.constexpr, STAGES_GU: tl.constexpr, STAGES_DV: tl.constexpr,
+                 XO_HIDDEN: tl.constexpr, WIL: tl.constexpr,
+                 XO_INTER: tl.constexpr, SPLIT_DV: tl.constexpr,
                  PREFETCH: tl.constexpr, TRACE: tl.constexpr):
     D: tl.constexpr = 2 * HALF
     NS = L * SLOTS + 1  # stages: SLOTS a layer, then the head
@@ -487,6 +578,10 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
         _qkv_u_stage(ctr_ptr, rank, P, s0 + 1, s0, P, t_ptr, w_ptr, _offset(mp, 1), _offset(mp, 2), _offset(mp, 3),
                      rq, rk, rv, cos_ptr, sin_ptr, pos, q_ptr, kc, vc, stride_ks, stride_kh, H, HKV, HALF, BN_QKV_U,
                      BK_QKV_U, STAGES_U, PREFETCH)
+        blk = ctr_ptr + blk_off + layer * tl.cdiv(inter, BK_DOWN_V) * PAD  # this layer's down V block counters
+        if SPLIT_DV:  # td (down V's output, fp32 atomic adds) zeroed once q/k/v V is complete: the previous layer's
+            # down U, its last reader, is then complete too
+            _zero(ctr_ptr, s0, rank, P, td_ptr, rd, 16)
         _stamp(trace_ptr, rank, s0 + 2, NS, TRACE)
         _attention_stage(ctr_ptr, rank, P, s0 + 2, s0 + 1, P, q_ptr, kc, vc, stride_ks, stride_kh, pos + 1, a_ptr,
                          mid_o_ptr, mid_lse_ptr, ctr_ptr + (L * SLOTS + 2) * PAD + layer * HKV, qk_scale, H // HKV,
@@ -502,12 +597,19 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
                     True, False, BN_GATE_UP_V, BK_GATE_UP_V, STAGES, PREFETCH, XO_HIDDEN, WIL)
         _stamp(trace_ptr, rank, s0 + 7, NS, TRACE)
         _gate_up_stage(ctr_ptr, rank, P, s0 + 7, s0 + 6, P, t_ptr, _weight(w_ptr, mp, 7), _weight(w_ptr, mp, 8), m_ptr,
-                       inter, rg, ru, BN_GATE_UP_U, BK_GATE_UP_U, STAGES_GU, PREFETCH)
+                       inter, rg, ru, blk, BN_GATE_UP_U, BK_GATE_UP_U, STAGES_GU, PREFETCH,
+                       BK_DOWN_V if SPLIT_DV else 0)
         _stamp(trace_ptr, rank, s0 + 8, NS, TRACE)
-        _gemv_stage(ctr_ptr, rank, P, s0 + 8, s0 + 7, P, m_ptr, _weight(w_ptr, mp, 9), t_ptr, rd, inter, eps, False,
-                    False, BN_DOWN_V, BK_DOWN_V, STAGES_DV, PREFETCH, XO_INTER)
+        if SPLIT_DV:
+            _down_v_blocks(ctr_ptr, blk, rank, P, s0 + 8, m_ptr, _weight(w_ptr, mp, 9), td_ptr, rd, inter, BN_GATE_UP_U,
+                           BN_DOWN_V, BK_DOWN_V, STAGES_DV)
+            td = td_ptr
+        else:
+            _gemv_stage(ctr_ptr, rank, P, s0 + 8, s0 + 7, P, m_ptr, _weight(w_ptr, mp, 9), t_ptr, rd, inter, eps, False,
+                        False, BN_DOWN_V, BK_DOWN_V, STAGES_DV, PREFETCH, XO_INTER)
+            td = t_ptr
         _stamp(trace_ptr, rank, s0 + 9, NS, TRACE)
-        _gemv_stage(ctr_ptr, rank, P, s0 + 9, s0 + 8, P, t_ptr, _weight(w_ptr, mp, 10), x_ptr, hidden, rd, eps, False,
+        _gemv_stage(ctr_ptr, rank, P, s0 + 9, s0 + 8, P, td, _weight(w_ptr, mp, 10), x_ptr, hidden, rd, eps, False,
                     True, BN_DOWN_U, BK_DOWN_U, STAGES_U, PREFETCH)
     # final norm (folded into the head's columns) + LM head, fp32 logits
     _stamp(trace_ptr, rank, NS - 1, NS, TRACE)
@@ -544,9 +646,15 @@ class StepKernel:
         self.meta = torch.tensor(rows, dtype=torch.int64, device=dev)  # (L, 18)
         self.base, self.head_n, self.b, self.cfg = base, head_n, bufs, cfg
         self.num_splits = num_splits
-        # counter 0: rank tickets; then one done counter per stage, PAD apart; then a merge counter per (layer, kv head)
-        self.ctr = torch.zeros((len(layers) * SLOTS + 2) * PAD + len(layers) * cfg.num_key_value_heads,
-                               dtype=torch.int32, device=dev)
+        # counter 0: rank tickets; then one done counter per stage, PAD apart; then a merge counter per (layer, kv
+        # head); then (split_down_v) a counter per (layer, down V column block), PAD apart
+        merge_end = (len(layers) * SLOTS + 2) * PAD + len(layers) * cfg.num_key_value_heads
+        self.blk_off = -(-merge_end // PAD) * PAD
+        dv_width = self.kcfg.constexprs(dev.type == "cuda", cfg.head_dim // 2)["BK_DOWN_V"]
+        n_blk = len(layers) * -(-cfg.intermediate_size // dv_width) if self.kcfg.split_down_v else 0
+        self.ctr = torch.zeros(self.blk_off + n_blk * PAD, dtype=torch.int32, device=dev)
+        # split_down_v: down V's output, accumulated with fp32 atomic adds (the largest rank of the layers)
+        self.td = torch.zeros(max(max(r[17] for r in rows), 16), dtype=torch.float32, device=dev)
         self.on_gpu = dev.type == "cuda"
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if self.on_gpu else 1
         # one program an SM until the compiled kernel's occupancy is known (the first run); the interpreter runs
@@ -568,9 +676,10 @@ class StepKernel:
         self.ctr.zero_()
         kernel = _step_kernel[self.grid](
             self.base, self.meta, self.head_n, b["x"], b["t"], b["q"], b["a"], b["m"], b["logits"], kc, vc,
-            b["seqlens"], b["cos"], b["sin"], b["mid_o"], b["mid_lse"], self.ctr, self.trace,
+            b["seqlens"], b["cos"], b["sin"], b["mid_o"], b["mid_lse"], self.ctr, self.trace, self.td,
             len(self.meta), cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,
             kc.stride(0), kc.stride(2), kc.stride(3), float(cfg.rms_norm_eps), math.log2(math.e) / math.sqrt(D),
+            self.blk_off,
             H=H, HKV=HKV, HALF=D // 2, D_PAD=triton.next_power_of_2(D), NUM_SPLITS=self.num_splits,
             SPLITS_PAD=triton.next_power_of_2(self.num_splits), BLOCK_H=max(16, triton.next_power_of_2(H // HKV)),
             ATT_BLOCK_N=k.att_block_n if on_gpu else 16, DOT_PREC="ieee" if kc.dtype == torch.float32 else "tf32",
@@ -579,6 +688,7 @@ class StepKernel:
             STAGES_DV=k.dv_stages if on_gpu else 1,
             XO_HIDDEN=k.x_once and max(cfg.hidden_size, H * D) <= min(tiles[f"BK_{n}"] for n in XO_STAGES),
             XO_INTER=k.x_once and cfg.intermediate_size <= tiles["BK_DOWN_V"], WIL=k.wait_in_loop,
+            SPLIT_DV=k.split_down_v,
             PREFETCH=k.prefetch if on_gpu else 0, TRACE=k.trace and on_gpu,
             num_warps=k.num_warps if on_gpu else 1, **({"maxnreg": k.maxnreg} if on_gpu and k.maxnreg else {}))
         if on_gpu and self.resident is None:

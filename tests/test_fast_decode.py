@@ -177,19 +177,23 @@ def test_step_greedy_feeds_its_own_argmax(backend):
         FastDecoder(model, DecodeConfig(batch_size=B, max_seq_len=40, graph="none")).step_greedy()
 
 
-@pytest.mark.parametrize("kind,splits", [("uneven", 1), ("shared", 3), ("uneven", 3)])
-def test_one_launch_step_matches_eager(kind, splits):
+@pytest.mark.parametrize("kind,splits,split_dv", [("uneven", 1, True), ("shared", 3, True), ("uneven", 3, True),
+                                                  ("uneven", 3, False)])
+def test_one_launch_step_matches_eager(kind, splits, split_dv):
     """one_launch=True (the whole B = 1 step in one persistent kernel, stages ordered by device counters) gives the
     eager logits step after step; with several attention splits (some empty) the last split of each kv head merges
-    them."""
-    from rankserve.kernels.step_kernel import SLOTS
+    them; down V by column blocks after gate/up U's per-block counters (split_down_v, the default) or as one stage."""
+    from dataclasses import astuple
+
+    from rankserve.kernels.step_kernel import SLOTS, StepKernelConfig
     model = _model(kind)
     prompt = torch.randint(0, CFG.vocab_size, (1, 6))
     steps = [torch.randint(0, CFG.vocab_size, (1,)) for _ in range(3)]
     with torch.no_grad():
         ref = _eager_logits(model, prompt, steps)
         dec = FastDecoder(model, DecodeConfig(batch_size=1, max_seq_len=40, graph="none", num_splits=splits,
-                                              one_launch=True))
+                                              one_launch=True,
+                                              one_launch_tiles=astuple(StepKernelConfig(split_down_v=split_dv))))
         got = [dec.prefill(prompt)] + [dec.step(t).clone() for t in steps]
     _assert_steps_close(got, ref)
     # the interpreter runs one program (programs run one after the other there, and a program waits on others'
@@ -201,7 +205,14 @@ def test_one_launch_step_matches_eager(kind, splits):
     assert dec.step_kernel.grid == (1,) and lines[0] == 1
     assert lines[1:] == [1, 1, 1, 0, 1, 1, 1, 1, 1, 1] * L + [1]  # + the head
     merged = splits if splits > 1 else 0
-    assert ctr[(L * n + 2) * 32:].tolist() == [merged] * (L * Hkv)
+    assert ctr[(L * n + 2) * 32:(L * n + 2) * 32 + L * Hkv].tolist() == [merged] * (L * Hkv)
+    # down V by column blocks (split_down_v): each block's counter holds its gate/up U items (the interpreter's tiles:
+    # 64-column blocks of the 96 intermediate rows, gate/up items of 16 rows: 4 + 2)
+    k = dec.step_kernel
+    if split_dv:
+        assert ctr[k.blk_off:].view(L, -1, 32)[:, :, 0].tolist() == [[4, 2]] * L
+    else:
+        assert ctr[k.blk_off:].numel() == 0
 
 
 def test_one_launch_refuses_what_it_cannot_run():

@@ -70,8 +70,8 @@ STEP_POINTERS = {"w_ptr": "*bf16", "meta_ptr": "*i64", "head_ptr": "*bf16", "x_p
                  "q_ptr": "*bf16", "a_ptr": "*bf16", "m_ptr": "*bf16", "logits_ptr": "*fp32", "kc_ptr": "*bf16",
                  "vc_ptr": "*bf16", "seqlens_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
                  "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "ctr_ptr": "*i32",
-                 "trace_ptr": "*i64"}
-STEP_INTS = ("L", "hidden", "inter", "vocab", "stride_kl", "stride_ks", "stride_kh")
+                 "trace_ptr": "*i64", "td_ptr": "*fp32"}
+STEP_INTS = ("L", "hidden", "inter", "vocab", "stride_kl", "stride_ks", "stride_kh", "blk_off")
 
 
 def compile_step_ptx(num_splits: int = 4, kind: str = "ptx") -> str:
@@ -85,7 +85,9 @@ def compile_step_ptx(num_splits: int = 4, kind: str = "ptx") -> str:
     k = StepKernelConfig()
     names = list(inspect.signature(_step_kernel.fn).parameters)
     consts = dict(H=32, HKV=32, HALF=64, D_PAD=128, NUM_SPLITS=num_splits, SPLITS_PAD=num_splits, BLOCK_H=16,
-                  ATT_BLOCK_N=64, DOT_PREC="tf32", STAGES=k.stages, STAGES_U=k.u_stages, STAGES_GU=k.gu_stages, STAGES_DV=k.dv_stages, XO_HIDDEN=k.x_once, XO_INTER=False, WIL=k.wait_in_loop, PREFETCH=k.prefetch,
+                  ATT_BLOCK_N=64, DOT_PREC="tf32", STAGES=k.stages, STAGES_U=k.u_stages, STAGES_GU=k.gu_stages,
+                  STAGES_DV=k.dv_stages, XO_HIDDEN=k.x_once, XO_INTER=False, WIL=k.wait_in_loop,
+                  SPLIT_DV=k.split_down_v, PREFETCH=k.prefetch,
                   TRACE=False, **k.constexprs(True, 64))
     sig = {n: STEP_POINTERS.get(n, "i32" if n in STEP_INTS else "fp32") for n in names if n not in consts}
     sig.update({n: "constexpr" for n in consts})
