@@ -623,7 +623,8 @@ class StepKernel:
 
     layers: fast_decode._Layer list, every layer factorized with the norms folded (fuse_norm). Weights must share
     one dtype and be row-major. The buffers (x, t, q, a, m, logits, caches, cos/sin, mid_o/mid_lse) are the
-    decoder's own; `run()` adds one memset (the counters) and one launch, no host sync or allocation.
+    decoder's own, plus td (down V's fp32 output with split_down_v, zeroed inside the kernel) and the counters;
+    `run()` adds one memset (the counters) and one launch, no host sync or allocation.
     """
 
     def __init__(self, layers: list, head_n: torch.Tensor, bufs: dict, cfg, num_splits: int,
