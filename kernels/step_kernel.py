@@ -237,17 +237,13 @@ def _gemv_stage(ctr_ptr, rank, P, sid, prev, target, x_ptr, w_ptr, y_ptr, N, K, 
     inv = 1.0
     if X_ONCE and not EARLY:  # K <= BLOCK_K: x read once a stage, outside the pipelined loop (only weights go
         # through shared memory)
-        x1 = tl.load(x_ptr + offs_x, mask=offs_x < K, other=0.0, cache_modifier=".cg").to(tl.float32)
-        if NORM:
-            inv = 1.0 / tl.sqrt(tl.sum(x1 * x1, axis=0) / K + eps)
+        x1, inv = _read_once(x_ptr, offs_x, K, eps, NORM)
     for j in tl.range(0, mine * nk, num_stages=STAGES):
         if EARLY:  # the wait inside the loop: the pipeline's prologue (its first weight tiles into shared
             # memory) is issued before it, while the previous stage still runs; x is read after it, once
             if j == 0:
                 _wait(ctr_ptr, prev, target, True)
-                x1 = tl.load(x_ptr + offs_x, mask=offs_x < K, other=0.0, cache_modifier=".cg").to(tl.float32)
-                if NORM:
-                    inv = 1.0 / tl.sqrt(tl.sum(x1 * x1, axis=0) / K + eps)
+                x1, inv = _read_once(x_ptr, offs_x, K, eps, NORM)
         i, kc, last = _position(j, nk, rank, P)
         offs_n = i * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = kc * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -275,6 +271,16 @@ def _gemv_stage(ctr_ptr, rank, P, sid, prev, target, x_ptr, w_ptr, y_ptr, N, K, 
         acc = tl.where(last, 0.0, acc)
         ss = tl.where(last, 0.0, ss)
     _leave(ctr_ptr, sid)
+
+
+@triton.jit
+def _read_once(x_ptr, offs_x, K, eps, NORM: tl.constexpr):
+    """x[:K] (offs_x wide, from L2: .cg) in fp32 and, if NORM, RMSNorm's 1/rms of it (else 1)."""
+    x = tl.load(x_ptr + offs_x, mask=offs_x < K, other=0.0, cache_modifier=".cg").to(tl.float32)
+    inv = 1.0
+    if NORM:
+        inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
+    return x, inv
 
 
 @triton.jit
