@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from rankserve.bench.decode import build_model, copy_bandwidth, plan_ranks, time_fast, write_json
+from rankserve.bench.decode import build_model, copy_bandwidth, greedy_match, plan_ranks, time_fast, write_json
 from rankserve.workers.align import GPU_ALIGN
 from rankserve.workers.config import preset
 from rankserve.workers.fast_decode import DecodeConfig, FastDecoder
@@ -100,6 +100,8 @@ def trace_config(model, fields: dict, prompt: int) -> dict:
         dec = FastDecoder(model, dcfg)
         ms = time_fast(dec, prompt, 64, 5)
         out["traced_ms" if traced else "ms"] = statistics.median(ms)
+        if not traced:  # correctness gates the timing: greedy tokens against the eager runtime's
+            out["greedy"] = greedy_match(model, dec, prompt, 64)
         if traced:
             torch.cuda.synchronize()
             seqlen = int(dec.cache.seqlens[0])  # the last step attended over seqlen keys

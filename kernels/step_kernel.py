@@ -18,8 +18,8 @@ the stage's done counter (release). With several attention splits the last split
 head's partials (a counter per layer and kv head), not a stage. Down V (split_down_v) has no stage wait: gate/up U
 deals each program a contiguous run of items and, when done, counts them per column block of down V; down V's items
 (a column block x rows) wait for their block's count, so the programs without gate/up U's extra item stream down V's
-complete blocks while the others finish, adding into their own fp32 output with atomics (whose order varies, so the
-step is not bitwise reproducible run to run; with split_down_v=False it is). A program may wait on any other's
+complete blocks while the others finish, each block's partial stored apart and summed by down U as it reads them
+(no atomics: the step is bitwise reproducible run to run). A program may wait on any other's
 items, so all P must be resident at once: StepKernel caps P at the compiled kernel's occupancy (registers, shared
 memory), and under the CPU interpreter, which runs programs one after the other, P = 1.
 Other work on the GPU only delays programs (they start as it drains); a GPU whose SMs are partitioned (MPS limits)
@@ -30,18 +30,24 @@ around L1: `.cg` loads, and in the pipelined loops 16-byte `cp.async.cg` copies.
 `cp.async.ca` for narrower per-thread vectors, which read stale lines (measured: wrong logits with 512-wide bf16
 tiles at 4 warps), hence StepKernelConfig's minimum tile widths; tests/test_kernels_ptx.py checks the compiled
 kernel has no `cp.async.ca`. Every stage reads what the previous one wrote; a buffer reused by a later stage
-(t, a) is rewritten only after a stage in between completed, so all its readers are done; down V's fp32 output (td)
-is zeroed once the next layer's q/k/v V is complete (its reader, down U, is done by then).
+(t, a, down V's partials td) is rewritten only after a stage in between completed, so all its readers are done
+(with down_v_atomics, td is zeroed once the next layer's q/k/v V is complete: its reader, down U, is done by then).
+
+Code. Each stage is a function call (`noinline`), not inlined into one ~18K-instruction kernel: the V stages with
+the same constants (q/k/v V, gate/up V, the head) share one body, and each stage's code is allocated registers on
+its own (146 registers a thread vs ~250). Inlined, code added anywhere slowed every stage: three never-executed
+stage copies inside the layer loop took the step from 2.901 to 3.307 ms, wider U steps measured 2.993 inlined vs
+2.901 as calls (bench/results/step-trace-h200-s10-{inline,dead,noinline}.json); as calls, 2.888 vs 2.901 ms.
 
 Addressing. Weights are element offsets from one base tensor (an int64 table a layer), so layers may have
 different ranks (Dobi-SVD) or shared bases packed per layer (Basis Sharing); ranks and offsets are promised to
 the compiler as multiples of 16 (checked at build), without which every weight load is a scalar 2-byte load.
 
 Measured on the H200 (decode.md, LLaMA-7B shape, bf16, B = 1, graph replay, greedy argmax in the graph):
-svd-llm keep 0.6 2.953 vs 3.226 ms/token for the per-kernel step, dobi 3.074 vs 3.275, basis-sharing 3.457 vs 3.668,
-prompt 2048 3.190 vs 3.477 (session 9). The V stages read x once and wait inside their pipelined loop, so its
-prologue's weight tiles are asked for before the wait (x_once, wait_in_loop); down V by column blocks (split_down_v,
-added after that run): svd-llm 2.910 ms in a later run. Fusing each U map with the next V map
+svd-llm keep 0.6 2.850 vs 3.225 ms/token for the per-kernel step, dobi 2.986 vs 3.277, basis-sharing 3.350 vs 3.619,
+prompt 2048 3.122 vs 3.476 (session 10, decode-h200-s10.json). The V stages read x once and wait inside their
+pipelined loop, so its prologue's weight tiles are asked for before the wait (x_once, wait_in_loop); down V goes by
+column blocks as gate/up U completes them (split_down_v). Fusing each U map with the next V map
 by row blocks (6 stages a layer instead of 9) was measured slower (3.40 ms at best) and reverted: a stage's time
 follows its programs' pipelined steps more than its barrier (decode.md); so were deeper pipelines and 8 warps.
 Where the time goes, stage by stage: bench/step_trace.py (StepKernelConfig.trace).
@@ -102,10 +108,15 @@ class StepKernelConfig:
     # stages read their input a tile a step through the same pipeline, which must not start before the wait.
     wait_in_loop: bool = True
     # down V by column blocks of its tile width, started block by block as gate/up U completes them (per-block
-    # counters instead of the stage barrier), fp32 atomic adds into its own output (_down_v_blocks). Measured:
-    # 2.950 -> 2.909 ms a step, twice in one run (down V's span 408 -> 365 us; step-trace-h200-s9-splitdv2.json).
-    # Its atomics make the step's result depend on their order (not bitwise reproducible run to run).
+    # counters instead of the stage barrier; _down_v_blocks). Measured with atomic adds into one output: 2.950 ->
+    # 2.909 ms a step, twice in one run (down V's span 408 -> 365 us; step-trace-h200-s9-splitdv2.json)
     split_down_v: bool = True
+    # split_down_v's column blocks: each stores its partial of down V's output and down U sums the partials as it
+    # reads them (False: no atomics, no zeroing, the step bitwise reproducible), or all add into one fp32 vector with
+    # atomics (True; the sum's order, hence its rounding, varies run to run). Measured: partials 2.846 / 2.858 ms vs
+    # atomics 2.898 / 2.903, alternated in one run (down V 358 -> 335 us, q/k/v U, which the zeroing followed, 436 ->
+    # 395, down U 228 -> 242; step-trace-h200-s10-det.json)
+    down_v_atomics: bool = False
     num_warps: int = 4  # 8 warps measured slower: 3.54 ms at one program an SM, 3.95-4.13 with registers capped for
     # two (spills; step-trace-h200-s9-warps.json)
     # GPU: the first tiles of a program's (items x tiles of K) sequence of a stage asked of L2 before it waits for
@@ -214,15 +225,16 @@ def _mine(n, rank, P):
     return tl.cdiv(tl.maximum(n - rank, 0), P)
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def _gemv_stage(ctr_ptr, rank, P, sid, prev, target, x_ptr, w_ptr, y_ptr, N, K, eps,
                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 STAGES: tl.constexpr, PREFETCH: tl.constexpr, X_ONCE: tl.constexpr = False,
-                WAIT_IN_LOOP: tl.constexpr = False):
+                WAIT_IN_LOOP: tl.constexpr = False, PARTS: tl.constexpr = 1):
     """y[n] (+)= sum_k w[n, k] x[k] for n < N, BLOCK_N rows an item; RESIDUAL adds into y (each row one owner).
     One software-pipelined loop over (this program's items x tiles of K): the weight stream stays STAGES - 1
     tiles ahead across item boundaries, through shared memory, not registers. x was written by other programs
-    of this launch: read from L2 (.cg)."""
+    of this launch: read from L2 (.cg). PARTS > 1 (not with X_ONCE): x is the sum of PARTS vectors of K, one after
+    the other (the column blocks' partials of down V), added as they are read."""
     nk = tl.cdiv(K, BLOCK_K)
     mine = _mine(tl.cdiv(N, BLOCK_N), rank, P)
     EARLY: tl.constexpr = X_ONCE and WAIT_IN_LOOP
@@ -255,6 +267,8 @@ def _gemv_stage(ctr_ptr, rank, P, sid, prev, target, x_ptr, w_ptr, y_ptr, N, K, 
             acc += tl.sum(w.to(tl.float32) * x1[None, :], axis=1)
         else:
             xk = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0, cache_modifier=".cg").to(tl.float32)
+            for c in tl.static_range(1, PARTS):
+                xk += tl.load(x_ptr + c * K + offs_k, mask=mask_k, other=0.0, cache_modifier=".cg").to(tl.float32)
             acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
             if NORM:
                 ss += tl.sum(xk * xk, axis=0)
@@ -283,7 +297,7 @@ def _read_once(x_ptr, offs_x, K, eps, NORM: tl.constexpr):
     return x, inv
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def _gate_up_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, ug_ptr, uu_ptr, m_ptr, N, rg, ru, blk_ptr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
                    BK_BLK: tl.constexpr = 0):
@@ -343,11 +357,13 @@ def _gate_up_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, ug_ptr, uu_ptr, m
     _leave(ctr_ptr, sid)
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def _down_v_blocks(ctr_ptr, blk_ptr, rank, P, sid, m_ptr, w_ptr, td_ptr, N, K, BN_GU: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    """td[n] += sum_k w[n, k] m[k] for n < N by items (column block c of BLOCK_K, BLOCK_N rows), block by block, one
-    step an item, fp32 atomic adds (td zeroed by _zero earlier in the layer). No stage wait: before its first item of
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, ATOMIC: tl.constexpr):
+    """td[c * N + n] = sum_k w[n, k] m[k] over the columns k of block c (BLOCK_K of them), for n < N, by items (block
+    c, BLOCK_N rows), one step an item: each block's partial stored apart, summed by down U as it reads them; with
+    ATOMIC, td[n] += the same with fp32 atomic adds (td zeroed by _zero earlier in the layer). No stage wait: before
+    its first item of
     block c a program waits until gate/up U's items of that block are all counted (blk_ptr[c * PAD], acquire), so a
     program done with gate/up U works on the blocks already complete while the stage's stragglers finish the last
     one; the pipelined weight stream runs ahead across those waits. Blocks are visited from the second on (block 0,
@@ -377,7 +393,11 @@ def _down_v_blocks(ctr_ptr, blk_ptr, rank, P, sid, m_ptr, w_ptr, td_ptr, N, K, B
         mask_n = offs_n < N
         w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :],
                     other=0.0, eviction_policy="evict_first")
-        tl.atomic_add(td_ptr + offs_n, tl.sum(w.to(tl.float32) * x1[None, :], axis=1), mask=mask_n, sem="relaxed")
+        part = tl.sum(w.to(tl.float32) * x1[None, :], axis=1)
+        if ATOMIC:
+            tl.atomic_add(td_ptr + offs_n, part, mask=mask_n, sem="relaxed")
+        else:  # each (block, rows) item has one owner: a plain store
+            tl.store(td_ptr + c * N + offs_n, part, mask=mask_n)
     _leave(ctr_ptr, sid)
 
 
@@ -391,7 +411,7 @@ def _zero(ctr_ptr, after, rank, P, y_ptr, n, BLOCK: tl.constexpr):
             tl.store(y_ptr + offs, tl.zeros((BLOCK,), dtype=y_ptr.dtype.element_ty), mask=offs < n)
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def _qkv_u_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, w_ptr, off_q, off_k, off_v, rq, rk, rv,
                  cos_ptr, sin_ptr, pos, q_ptr, kc_ptr, vc_ptr, stride_ks, stride_kh,
                  H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -468,7 +488,7 @@ def _qkv_item(i, w_ptr, off_q, off_k, off_v, rq, rk, rv, H: tl.constexpr, HKV: t
     return u_ptr, r, t_off, head, (i % NC) * BLOCK_D + tl.arange(0, BLOCK_D), p
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def _attention_stage(ctr_ptr, rank, P, sid, prev, target, q_ptr, kc_ptr, vc_ptr, stride_ks, stride_kh, seqlen,
                      a_ptr, mid_o_ptr, mid_lse_ptr, head_ctr_ptr, qk_scale, G: tl.constexpr, HKV: tl.constexpr,
                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -559,7 +579,7 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
                  BN_DOWN_U: tl.constexpr, BK_DOWN_U: tl.constexpr, BN_HEAD: tl.constexpr, BK_HEAD: tl.constexpr,
                  STAGES: tl.constexpr, STAGES_U: tl.constexpr, STAGES_GU: tl.constexpr, STAGES_DV: tl.constexpr,
                  XO_HIDDEN: tl.constexpr, WIL: tl.constexpr,
-                 XO_INTER: tl.constexpr, SPLIT_DV: tl.constexpr,
+                 XO_INTER: tl.constexpr, SPLIT_DV: tl.constexpr, DV_ATOMIC: tl.constexpr, DU_PARTS: tl.constexpr,
                  PREFETCH: tl.constexpr, TRACE: tl.constexpr):
     D: tl.constexpr = 2 * HALF
     NS = L * SLOTS + 1  # stages: SLOTS a layer, then the head
@@ -585,8 +605,8 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
                      rq, rk, rv, cos_ptr, sin_ptr, pos, q_ptr, kc, vc, stride_ks, stride_kh, H, HKV, HALF, BN_QKV_U,
                      BK_QKV_U, STAGES_U, PREFETCH)
         blk = ctr_ptr + blk_off + layer * tl.cdiv(inter, BK_DOWN_V) * PAD  # this layer's down V block counters
-        if SPLIT_DV:  # td (down V's output, fp32 atomic adds) zeroed once q/k/v V is complete: the previous layer's
-            # down U, its last reader, is then complete too
+        if SPLIT_DV and DV_ATOMIC:  # td (down V's output, fp32 atomic adds) zeroed once q/k/v V is complete: the
+            # previous layer's down U, its last reader, is then complete too
             _zero(ctr_ptr, s0, rank, P, td_ptr, rd, 16)
         _stamp(trace_ptr, rank, s0 + 2, NS, TRACE)
         _attention_stage(ctr_ptr, rank, P, s0 + 2, s0 + 1, P, q_ptr, kc, vc, stride_ks, stride_kh, pos + 1, a_ptr,
@@ -608,7 +628,7 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
         _stamp(trace_ptr, rank, s0 + 8, NS, TRACE)
         if SPLIT_DV:
             _down_v_blocks(ctr_ptr, blk, rank, P, s0 + 8, m_ptr, _weight(w_ptr, mp, 9), td_ptr, rd, inter, BN_GATE_UP_U,
-                           BN_DOWN_V, BK_DOWN_V, STAGES_DV)
+                           BN_DOWN_V, BK_DOWN_V, STAGES_DV, DV_ATOMIC)
             td = td_ptr
         else:
             _gemv_stage(ctr_ptr, rank, P, s0 + 8, s0 + 7, P, m_ptr, _weight(w_ptr, mp, 9), t_ptr, rd, inter, eps, False,
@@ -616,7 +636,7 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
             td = t_ptr
         _stamp(trace_ptr, rank, s0 + 9, NS, TRACE)
         _gemv_stage(ctr_ptr, rank, P, s0 + 9, s0 + 8, P, td, _weight(w_ptr, mp, 10), x_ptr, hidden, rd, eps, False,
-                    True, BN_DOWN_U, BK_DOWN_U, STAGES_U, PREFETCH)
+                    True, BN_DOWN_U, BK_DOWN_U, STAGES_U, PREFETCH, PARTS=DU_PARTS)
     # final norm (folded into the head's columns) + LM head, fp32 logits
     _stamp(trace_ptr, rank, NS - 1, NS, TRACE)
     _gemv_stage(ctr_ptr, rank, P, NS - 1, NS - 2, P, x_ptr, head_ptr, logits_ptr, vocab, hidden, eps, True, False,
@@ -629,7 +649,7 @@ class StepKernel:
 
     layers: fast_decode._Layer list, every layer factorized with the norms folded (fuse_norm). Weights must share
     one dtype and be row-major. The buffers (x, t, q, a, m, logits, caches, cos/sin, mid_o/mid_lse) are the
-    decoder's own, plus td (down V's fp32 output with split_down_v, zeroed inside the kernel) and the counters;
+    decoder's own, plus td (down V's fp32 partials with split_down_v) and the counters;
     `run()` adds one memset (the counters) and one launch, no host sync or allocation.
     """
 
@@ -660,8 +680,11 @@ class StepKernel:
         dv_width = self.kcfg.constexprs(dev.type == "cuda", cfg.head_dim // 2)["BK_DOWN_V"]
         n_blk = len(layers) * -(-cfg.intermediate_size // dv_width) if self.kcfg.split_down_v else 0
         self.ctr = torch.zeros(self.blk_off + n_blk * PAD, dtype=torch.int32, device=dev)
-        # split_down_v: down V's output, accumulated with fp32 atomic adds (the largest rank of the layers)
-        self.td = torch.zeros(max(max(r[17] for r in rows), 16), dtype=torch.float32, device=dev)
+        # split_down_v: down V's output (the largest rank of the layers), fp32: a partial a column block, summed by
+        # down U, or (down_v_atomics) one vector the blocks add into
+        n_dv = -(-cfg.intermediate_size // dv_width)
+        self.du_parts = n_dv if self.kcfg.split_down_v and not self.kcfg.down_v_atomics else 1
+        self.td = torch.zeros(self.du_parts * max(max(r[17] for r in rows), 16), dtype=torch.float32, device=dev)
         self.on_gpu = dev.type == "cuda"
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if self.on_gpu else 1
         # one program an SM until the compiled kernel's occupancy is known (the first run); the interpreter runs
@@ -695,7 +718,7 @@ class StepKernel:
             STAGES_DV=k.dv_stages if on_gpu else 1,
             XO_HIDDEN=k.x_once and max(cfg.hidden_size, H * D) <= min(tiles[f"BK_{n}"] for n in XO_STAGES),
             XO_INTER=k.x_once and cfg.intermediate_size <= tiles["BK_DOWN_V"], WIL=k.wait_in_loop,
-            SPLIT_DV=k.split_down_v,
+            SPLIT_DV=k.split_down_v, DV_ATOMIC=k.down_v_atomics, DU_PARTS=self.du_parts,
             PREFETCH=k.prefetch if on_gpu else 0, TRACE=k.trace and on_gpu,
             num_warps=k.num_warps if on_gpu else 1, **({"maxnreg": k.maxnreg} if on_gpu and k.maxnreg else {}))
         if on_gpu and self.resident is None:

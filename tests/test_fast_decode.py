@@ -177,12 +177,13 @@ def test_step_greedy_feeds_its_own_argmax(backend):
         FastDecoder(model, DecodeConfig(batch_size=B, max_seq_len=40, graph="none")).step_greedy()
 
 
-@pytest.mark.parametrize("kind,splits,split_dv", [("uneven", 1, True), ("shared", 3, True), ("uneven", 3, True),
-                                                  ("uneven", 3, False)])
-def test_one_launch_step_matches_eager(kind, splits, split_dv):
+@pytest.mark.parametrize("kind,splits,split_dv,atomics", [("uneven", 1, True, False), ("shared", 3, True, False),
+                                                          ("uneven", 3, True, True), ("uneven", 3, False, False)])
+def test_one_launch_step_matches_eager(kind, splits, split_dv, atomics):
     """one_launch=True (the whole B = 1 step in one persistent kernel, stages ordered by device counters) gives the
     eager logits step after step; with several attention splits (some empty) the last split of each kv head merges
-    them; down V by column blocks after gate/up U's per-block counters (split_down_v, the default) or as one stage."""
+    them; down V by column blocks after gate/up U's per-block counters (split_down_v, the default: a partial a
+    block summed by down U, or atomic adds into one vector) or as one stage."""
     from dataclasses import astuple
 
     from rankserve.kernels.step_kernel import SLOTS, StepKernelConfig
@@ -193,7 +194,8 @@ def test_one_launch_step_matches_eager(kind, splits, split_dv):
         ref = _eager_logits(model, prompt, steps)
         dec = FastDecoder(model, DecodeConfig(batch_size=1, max_seq_len=40, graph="none", num_splits=splits,
                                               one_launch=True,
-                                              one_launch_tiles=astuple(StepKernelConfig(split_down_v=split_dv))))
+                                              one_launch_tiles=astuple(StepKernelConfig(
+                                                  split_down_v=split_dv, down_v_atomics=atomics))))
         got = [dec.prefill(prompt)] + [dec.step(t).clone() for t in steps]
     _assert_steps_close(got, ref)
     # the interpreter runs one program (programs run one after the other there, and a program waits on others'
@@ -211,6 +213,8 @@ def test_one_launch_step_matches_eager(kind, splits, split_dv):
     k = dec.step_kernel
     if split_dv:
         assert ctr[k.blk_off:].view(L, -1, 32)[:, :, 0].tolist() == [[4, 2]] * L
+        # the partials (2 blocks) or one vector: 10 rows of down V's rank
+        assert k.du_parts == (1 if atomics else 2) and k.td.numel() == 16 * k.du_parts
     else:
         assert ctr[k.blk_off:].numel() == 0
 

@@ -87,7 +87,8 @@ def compile_step_ptx(num_splits: int = 4, kind: str = "ptx") -> str:
     consts = dict(H=32, HKV=32, HALF=64, D_PAD=128, NUM_SPLITS=num_splits, SPLITS_PAD=num_splits, BLOCK_H=16,
                   ATT_BLOCK_N=64, DOT_PREC="tf32", STAGES=k.stages, STAGES_U=k.u_stages, STAGES_GU=k.gu_stages,
                   STAGES_DV=k.dv_stages, XO_HIDDEN=k.x_once, XO_INTER=False, WIL=k.wait_in_loop,
-                  SPLIT_DV=k.split_down_v, PREFETCH=k.prefetch,
+                  SPLIT_DV=k.split_down_v, DV_ATOMIC=k.down_v_atomics, DU_PARTS=1 if k.down_v_atomics else 3,
+                  PREFETCH=k.prefetch,
                   TRACE=False, **k.constexprs(True, 64))
     sig = {n: STEP_POINTERS.get(n, "i32" if n in STEP_INTS else "fp32") for n in names if n not in consts}
     sig.update({n: "constexpr" for n in consts})
@@ -114,9 +115,28 @@ def test_one_launch_step_reads_activations_around_l1_with_vector_copies():
     assert all(" 0x10," in l for l in copies), "async copies narrower than 16 bytes"
     scalar_weights = [l for l in lines if "ld.global" in l and "evict_first" in l and ".b16" in l and ".v" not in l]
     assert not scalar_weights, f"{len(scalar_weights)} scalar 2-byte weight loads"
-    polls = [i for i, l in enumerate(lines) if "ld.global.gpu.acquire" in l]
-    # q/k/v V (wait in the loop): 2 tiles of 2 x 4096 bf16 over 128 threads, 8 copies of 16 bytes a tile and thread
-    early = [l for l in lines[:polls[0]] if "cp.async.cg" in l and ".shared.global" in l]
+    # the stage functions are calls (noinline), each a .func of its own: find each one's first poll
+    funcs = ptx_functions(lines)
+    assert {"_step_kernel", "_qkv_u_stage", "_attention_stage", "_gate_up_stage", "_down_v_blocks"} <= {
+        n.split("__")[0] for n in funcs}, f"stage functions not calls: {sorted(funcs)}"
+    # q/k/v V, gate/up V and the head share one function (RMSNorm, 2 x 4096 tiles, wait in the loop): 2 tiles of
+    # 2 x 4096 bf16 over 128 threads, 8 copies of 16 bytes a tile and thread, before its wait
+    [v_norm] = [b for n, b in funcs.items() if n.startswith("_gemv_stage") and "_cTrue_cFalse_c2_c4096_" in n]
+    polls = [i for i, l in enumerate(v_norm) if "ld.global.gpu.acquire" in l]
+    early = [l for l in v_norm[:polls[0]] if "cp.async.cg" in l and ".shared.global" in l]
     assert len(early) >= 16, f"q/k/v V: {len(early)} weight copies before its wait, 16 expected"
-    # q/k/v U (wait before the loop): its first tiles asked of L2 between the two waits
-    assert any("prefetch.global.L2" in l for l in lines[polls[0]:polls[1]]), "no L2 prefetch before the U wait"
+    # q/k/v U (wait before the loop): its first tiles asked of L2 before its wait
+    [qkv_u] = [b for n, b in funcs.items() if n.startswith("_qkv_u_stage")]
+    polls = [i for i, l in enumerate(qkv_u) if "ld.global.gpu.acquire" in l]
+    assert any("prefetch.global.L2" in l for l in qkv_u[:polls[0]]), "no L2 prefetch before the U wait"
+
+
+def ptx_functions(lines: list[str]) -> dict[str, list[str]]:
+    """The PTX's function definitions (the entry and each .func), by name without the module prefix: their lines."""
+    starts = [i for i, l in enumerate(lines) if l.startswith((".func", ".visible .entry", ".entry"))]
+    out: dict[str, list[str]] = {}
+    for a, b in zip(starts, starts[1:] + [len(lines)]):
+        name = lines[a].split("(")[0].split()[-1].split("_$_")[-1]
+        if len(lines[a:b]) > len(out.get(name, [])):  # the definition, not the forward declaration
+            out[name] = lines[a:b]
+    return out
