@@ -10,7 +10,9 @@ Every program of the persistent step kernel stamps the global timer as it reache
 
 aggregated over layers by stage kind (q/k/v V, q/k/v U, attention, ..., head), with the bytes each reads and the
 rate they stream at over the span and over the median work. Stamps cost a store a stage: the traced step is a little
-slower than the untraced one, which is timed in the same run for reference.
+slower than the untraced one, which is timed in the same run for reference. Each config's untraced decoder is also
+checked: its greedy tokens against the eager runtime's (64 teacher-forced steps) and whether two runs of the same
+prompt give bitwise the same logits.
 
 Usage: python -m rankserve.bench.step_trace --out step-trace-h200.json [--family svd-llm --keep 0.6 --prompt 128]
        [--config NAME:FIELD=VALUE,FIELD=VALUE ...]   (StepKernelConfig fields, tiles as ROWSxWIDTH: o_u=16x512;
@@ -102,6 +104,7 @@ def trace_config(model, fields: dict, prompt: int) -> dict:
         out["traced_ms" if traced else "ms"] = statistics.median(ms)
         if not traced:  # correctness gates the timing: greedy tokens against the eager runtime's
             out["greedy"] = greedy_match(model, dec, prompt, 64)
+            out["bitwise_reproducible"] = reproducible(dec, prompt, 16)
         if traced:
             torch.cuda.synchronize()
             seqlen = int(dec.cache.seqlens[0])  # the last step attended over seqlen keys
@@ -112,6 +115,19 @@ def trace_config(model, fields: dict, prompt: int) -> dict:
         del dec
         torch.cuda.empty_cache()
     return out
+
+
+def reproducible(dec: FastDecoder, P: int, n: int) -> bool:
+    """Whether two runs of the same prompt and n teacher-forced steps give bitwise the same logits."""
+    torch.manual_seed(2)
+    prompt = torch.randint(0, dec.cfg.vocab_size, (1, P), device=dec.tokens.device)
+    steps = torch.randint(0, dec.cfg.vocab_size, (n, 1), device=dec.tokens.device)
+    runs = []
+    with torch.inference_mode():
+        for _ in range(2):
+            out = [dec.prefill(prompt).clone()] + [dec.step(t).clone() for t in steps]
+            runs.append(torch.stack(out))
+    return bool(torch.equal(runs[0], runs[1]))
 
 
 def markdown(res: dict, names: list[str]) -> str:
