@@ -12,8 +12,8 @@ by rank: rank r takes items r, r + P, r + 2P, ... (P programs; ranks drawn from 
 start). A program with items in a stage first asks L2 for its first weight tiles, then waits until the previous
 stage's done counter reaches P (an acquiring read), then runs one software-pipelined loop over (its items x tiles
 of K), so the weight stream stays `stages - 1` tiles ahead through shared memory across item boundaries (the V
-stages with a hidden-size input read it once and wait at the loop's first step instead: the loop's prologue copies
-their first weight tiles into shared memory before the wait); at the end every program, items or not, adds 1 to
+stages with a hidden-size input, and o U and down U, read it once into registers and wait at the loop's first step
+instead: the loop's prologue copies their first weight tiles into shared memory before the wait); at the end every program, items or not, adds 1 to
 the stage's done counter (release). With several attention splits the last split of a kv head to finish merges the
 head's partials (a counter per layer and kv head), not a stage. Down V (split_down_v) has no stage wait: gate/up U
 deals each program a contiguous run of items and, when done, counts them per column block of down V; down V's items
@@ -47,7 +47,8 @@ Measured on the H200 (decode.md, LLaMA-7B shape, bf16, B = 1, graph replay, gree
 svd-llm keep 0.6 2.850 vs 3.225 ms/token for the per-kernel step, dobi 2.986 vs 3.277, basis-sharing 3.350 vs 3.619,
 prompt 2048 3.122 vs 3.476 (session 10, decode-h200-s10.json). The V stages read x once and wait inside their
 pipelined loop, so its prologue's weight tiles are asked for before the wait (x_once, wait_in_loop); down V goes by
-column blocks as gate/up U completes them (split_down_v). Fusing each U map with the next V map
+column blocks as gate/up U completes them (split_down_v); o U and down U read their input once into registers and
+wait in their loop too (u_once, added after that run: 2.844 -> 2.831 ms a step). Fusing each U map with the next V map
 by row blocks (6 stages a layer instead of 9) was measured slower (3.40 ms at best) and reverted: a stage's time
 follows its programs' pipelined steps more than its barrier (decode.md); so were deeper pipelines and 8 warps.
 Where the time goes, stage by stage: bench/step_trace.py (StepKernelConfig.trace).
@@ -102,10 +103,11 @@ class StepKernelConfig:
     # registers instead of once a step through the pipeline's shared memory (measured: 2.989 -> 2.973 ms a step,
     # q/k/v V 308 -> 295 us, o V 152 -> 145, the head 68 -> 63; step-trace-h200-s9-depth.json)
     x_once: bool = True
-    # x_once stages wait for the previous stage inside their pipelined loop (at its first step), so the loop's
-    # prologue (its first STAGES - 1 weight tiles into shared memory) is issued before the wait, while the previous
-    # stage still runs (measured: 2.970 -> 2.948 ms a step, twice in one run, step-trace-h200-s9-wil.json). The U
-    # stages read their input a tile a step through the same pipeline, which must not start before the wait.
+    # x_once (and u_once) stages wait for the previous stage inside their pipelined loop (at its first step), so the
+    # loop's prologue (its first STAGES - 1 weight tiles into shared memory) is issued before the wait, while the
+    # previous stage still runs (measured: 2.970 -> 2.948 ms a step, twice in one run, step-trace-h200-s9-wil.json).
+    # q/k/v U and gate/up U read their input a tile a step through the same pipeline, which must not start before
+    # the wait.
     wait_in_loop: bool = True
     # down V by column blocks of its tile width, started block by block as gate/up U completes them (per-block
     # counters instead of the stage barrier; _down_v_blocks). Measured with atomic adds into one output: 2.950 ->
@@ -117,6 +119,13 @@ class StepKernelConfig:
     # atomics 2.898 / 2.903, alternated in one run (down V 358 -> 335 us, q/k/v U, which the zeroing followed, 436 ->
     # 395, down U 228 -> 242; step-trace-h200-s10-det.json)
     down_v_atomics: bool = False
+    # o U and down U read their rank vector once a stage into registers (up to 4 tiles of their width; larger ranks
+    # read it a step) and, with wait_in_loop, wait inside their loop as the V stages do, so their first weight tiles
+    # are on their way before the wait. Measured (svd-llm 0.6): 2.844 / 2.857 -> 2.831 / 2.834 ms a step, alternated
+    # in one run (o U 196 -> 166 us, down U 240 -> 202, o V 106 -> 130: the early tiles compete with its
+    # stragglers; step-trace-h200-s10-uonce.json). Session 9's inlined kernel lost with the same change (2.946 ->
+    # 2.967): every stage slowed as the code grew (see Code in the module docstring)
+    u_once: bool = True
     num_warps: int = 4  # 8 warps measured slower: 3.54 ms at one program an SM, 3.95-4.13 with registers capped for
     # two (spills; step-trace-h200-s9-warps.json)
     # GPU: the first tiles of a program's (items x tiles of K) sequence of a stage asked of L2 before it waits for
@@ -160,6 +169,8 @@ class StepKernelConfig:
         else:
             tiles = dict(qkv_v=(16, 64), qkv_u=(16, 64), o_v=(8, 64), o_u=(16, 64), gate_up_v=(16, 64),
                          gate_up_u=(16, 64), down_v=(4, 64), down_u=(8, 64), head=(16, 64))
+            if self.u_once:  # 4-wide tiles: the test ranks (<= 16) take several register tiles
+                tiles.update(o_u=(16, 4), down_u=(8, 4))
         out = {}
         for n, (rows, width) in tiles.items():
             if n == "qkv_u":  # RoPE chunks: at most half a head's dims
@@ -229,15 +240,17 @@ def _mine(n, rank, P):
 def _gemv_stage(ctr_ptr, rank, P, sid, prev, target, x_ptr, w_ptr, y_ptr, N, K, eps,
                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 STAGES: tl.constexpr, PREFETCH: tl.constexpr, X_ONCE: tl.constexpr = False,
-                WAIT_IN_LOOP: tl.constexpr = False, PARTS: tl.constexpr = 1):
+                WAIT_IN_LOOP: tl.constexpr = False, PARTS: tl.constexpr = 1, U_TILES: tl.constexpr = 0):
     """y[n] (+)= sum_k w[n, k] x[k] for n < N, BLOCK_N rows an item; RESIDUAL adds into y (each row one owner).
     One software-pipelined loop over (this program's items x tiles of K): the weight stream stays STAGES - 1
     tiles ahead across item boundaries, through shared memory, not registers. x was written by other programs
     of this launch: read from L2 (.cg). PARTS > 1 (not with X_ONCE): x is the sum of PARTS vectors of K, one after
-    the other (the column blocks' partials of down V), added as they are read."""
+    the other (the column blocks' partials of down V), added as they are read. U_TILES > 0 (K <= U_TILES *
+    BLOCK_K <= 4 * BLOCK_K, the U stages): x read once a stage into U_TILES register tiles, a step using its tile's,
+    and with WAIT_IN_LOOP the wait inside the loop as for X_ONCE."""
     nk = tl.cdiv(K, BLOCK_K)
     mine = _mine(tl.cdiv(N, BLOCK_N), rank, P)
-    EARLY: tl.constexpr = X_ONCE and WAIT_IN_LOOP
+    EARLY: tl.constexpr = (X_ONCE or U_TILES > 0) and WAIT_IN_LOOP
     if PREFETCH > 0 and not EARLY:
         _l2_prefetch(w_ptr, rank, P, mine, nk, N, K, BLOCK_N, BLOCK_K, PREFETCH)
     if not EARLY:
@@ -247,15 +260,23 @@ def _gemv_stage(ctr_ptr, rank, P, sid, prev, target, x_ptr, w_ptr, y_ptr, N, K, 
     offs_x = tl.arange(0, BLOCK_K)
     x1 = tl.zeros((BLOCK_K,), dtype=tl.float32)
     inv = 1.0
+    x2 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    x3 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    x4 = tl.zeros((BLOCK_K,), dtype=tl.float32)
     if X_ONCE and not EARLY:  # K <= BLOCK_K: x read once a stage, outside the pipelined loop (only weights go
         # through shared memory)
         x1, inv = _read_once(x_ptr, offs_x, K, eps, NORM)
+    if U_TILES > 0 and not EARLY:
+        x1, x2, x3, x4 = _read_tiles(x_ptr, K, PARTS, BLOCK_K, U_TILES)
     for j in tl.range(0, mine * nk, num_stages=STAGES):
         if EARLY:  # the wait inside the loop: the pipeline's prologue (its first weight tiles into shared
             # memory) is issued before it, while the previous stage still runs; x is read after it, once
             if j == 0:
                 _wait(ctr_ptr, prev, target, True)
-                x1, inv = _read_once(x_ptr, offs_x, K, eps, NORM)
+                if U_TILES > 0:
+                    x1, x2, x3, x4 = _read_tiles(x_ptr, K, PARTS, BLOCK_K, U_TILES)
+                else:
+                    x1, inv = _read_once(x_ptr, offs_x, K, eps, NORM)
         i, kc, last = _position(j, nk, rank, P)
         offs_n = i * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = kc * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -265,6 +286,9 @@ def _gemv_stage(ctr_ptr, rank, P, sid, prev, target, x_ptr, w_ptr, y_ptr, N, K, 
                     other=0.0, eviction_policy="evict_first")
         if X_ONCE:
             acc += tl.sum(w.to(tl.float32) * x1[None, :], axis=1)
+        elif U_TILES > 0:  # this step's tile of the register-held x
+            xk = tl.where(kc == 0, x1, tl.where(kc == 1, x2, tl.where(kc == 2, x3, x4)))
+            acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
         else:
             xk = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0, cache_modifier=".cg").to(tl.float32)
             for c in tl.static_range(1, PARTS):
@@ -285,6 +309,34 @@ def _gemv_stage(ctr_ptr, rank, P, sid, prev, target, x_ptr, w_ptr, y_ptr, N, K, 
         acc = tl.where(last, 0.0, acc)
         ss = tl.where(last, 0.0, ss)
     _leave(ctr_ptr, sid)
+
+
+@triton.jit
+def _read_tiles(x_ptr, K, PARTS: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr):
+    """x[:K] (from L2: .cg; the sum of PARTS vectors of K one after the other) in fp32 as four tiles of BLOCK_K, the
+    first TILES read, the rest zeros."""
+    x1 = _read_tile(x_ptr, 0, K, PARTS, BLOCK_K)
+    x2 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    x3 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    x4 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    if TILES > 1:
+        x2 = _read_tile(x_ptr, 1, K, PARTS, BLOCK_K)
+    if TILES > 2:
+        x3 = _read_tile(x_ptr, 2, K, PARTS, BLOCK_K)
+    if TILES > 3:
+        x4 = _read_tile(x_ptr, 3, K, PARTS, BLOCK_K)
+    return x1, x2, x3, x4
+
+
+@triton.jit
+def _read_tile(x_ptr, kt, K, PARTS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Tile kt (BLOCK_K wide) of x[:K], the sum of PARTS vectors of K one after the other, fp32, from L2 (.cg)."""
+    offs = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = offs < K
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    for c in tl.static_range(1, PARTS):
+        x += tl.load(x_ptr + c * K + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -580,6 +632,7 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
                  STAGES: tl.constexpr, STAGES_U: tl.constexpr, STAGES_GU: tl.constexpr, STAGES_DV: tl.constexpr,
                  XO_HIDDEN: tl.constexpr, WIL: tl.constexpr,
                  XO_INTER: tl.constexpr, SPLIT_DV: tl.constexpr, DV_ATOMIC: tl.constexpr, DU_PARTS: tl.constexpr,
+                 UT_O: tl.constexpr, UT_D: tl.constexpr,
                  PREFETCH: tl.constexpr, TRACE: tl.constexpr):
     D: tl.constexpr = 2 * HALF
     NS = L * SLOTS + 1  # stages: SLOTS a layer, then the head
@@ -617,7 +670,7 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
                     False, BN_O_V, BK_O_V, STAGES, PREFETCH, XO_HIDDEN, WIL)
         _stamp(trace_ptr, rank, s0 + 5, NS, TRACE)
         _gemv_stage(ctr_ptr, rank, P, s0 + 5, s0 + 4, P, t_ptr, _weight(w_ptr, mp, 5), x_ptr, hidden, ro, eps, False,
-                    True, BN_O_U, BK_O_U, STAGES_U, PREFETCH)
+                    True, BN_O_U, BK_O_U, STAGES_U, PREFETCH, WAIT_IN_LOOP=WIL, U_TILES=UT_O)
         _stamp(trace_ptr, rank, s0 + 6, NS, TRACE)
         _gemv_stage(ctr_ptr, rank, P, s0 + 6, s0 + 5, P, x_ptr, _weight(w_ptr, mp, 6), t_ptr, rg + ru, hidden, eps,
                     True, False, BN_GATE_UP_V, BK_GATE_UP_V, STAGES, PREFETCH, XO_HIDDEN, WIL)
@@ -636,7 +689,7 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
             td = t_ptr
         _stamp(trace_ptr, rank, s0 + 9, NS, TRACE)
         _gemv_stage(ctr_ptr, rank, P, s0 + 9, s0 + 8, P, td, _weight(w_ptr, mp, 10), x_ptr, hidden, rd, eps, False,
-                    True, BN_DOWN_U, BK_DOWN_U, STAGES_U, PREFETCH, PARTS=DU_PARTS)
+                    True, BN_DOWN_U, BK_DOWN_U, STAGES_U, PREFETCH, WAIT_IN_LOOP=WIL, PARTS=DU_PARTS, U_TILES=UT_D)
     # final norm (folded into the head's columns) + LM head, fp32 logits
     _stamp(trace_ptr, rank, NS - 1, NS, TRACE)
     _gemv_stage(ctr_ptr, rank, P, NS - 1, NS - 2, P, x_ptr, head_ptr, logits_ptr, vocab, hidden, eps, True, False,
@@ -671,6 +724,7 @@ class StepKernel:
             offs = [(w.data_ptr() - base.data_ptr()) // es for w in ws]
             rows.append(offs + ranks)
         self.meta = torch.tensor(rows, dtype=torch.int64, device=dev)  # (L, 18)
+        self.top_rank = {col: max(r[col] for r in rows) for col in range(11, 18)}  # by META column, on the host
         self.base, self.head_n, self.b, self.cfg = base, head_n, bufs, cfg
         self.num_splits = num_splits
         # counter 0: rank tickets; then one done counter per stage, PAD apart; then a merge counter per (layer, kv
@@ -697,6 +751,11 @@ class StepKernel:
         self.trace = (torch.zeros(self.sms * 32, n_stages + 2, dtype=torch.int64, device=dev)
                       if self.kcfg.trace else self.ctr)
 
+    def _u_tiles(self, col: int, width: int) -> int:
+        """u_once: register tiles of `width` that the largest rank in meta column col needs (0: off, or over 4)."""
+        n = -(-self.top_rank[col] // width)
+        return n if self.kcfg.u_once and n <= 4 else 0
+
     def run(self) -> None:
         cfg, b, k = self.cfg, self.b, self.kcfg
         H, HKV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -719,6 +778,7 @@ class StepKernel:
             XO_HIDDEN=k.x_once and max(cfg.hidden_size, H * D) <= min(tiles[f"BK_{n}"] for n in XO_STAGES),
             XO_INTER=k.x_once and cfg.intermediate_size <= tiles["BK_DOWN_V"], WIL=k.wait_in_loop,
             SPLIT_DV=k.split_down_v, DV_ATOMIC=k.down_v_atomics, DU_PARTS=self.du_parts,
+            UT_O=self._u_tiles(14, tiles["BK_O_U"]), UT_D=self._u_tiles(17, tiles["BK_DOWN_U"]),
             PREFETCH=k.prefetch if on_gpu else 0, TRACE=k.trace and on_gpu,
             num_warps=k.num_warps if on_gpu else 1, **({"maxnreg": k.maxnreg} if on_gpu and k.maxnreg else {}))
         if on_gpu and self.resident is None:

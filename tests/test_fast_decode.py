@@ -177,13 +177,15 @@ def test_step_greedy_feeds_its_own_argmax(backend):
         FastDecoder(model, DecodeConfig(batch_size=B, max_seq_len=40, graph="none")).step_greedy()
 
 
-@pytest.mark.parametrize("kind,splits,split_dv,atomics", [("uneven", 1, True, False), ("shared", 3, True, False),
-                                                          ("uneven", 3, True, True), ("uneven", 3, False, False)])
-def test_one_launch_step_matches_eager(kind, splits, split_dv, atomics):
+@pytest.mark.parametrize("kind,splits,split_dv,atomics,u_once", [
+    ("uneven", 1, True, False, False), ("shared", 3, True, False, True), ("uneven", 3, True, True, True),
+    ("uneven", 3, False, False, False), ("uneven", 1, True, False, True)])
+def test_one_launch_step_matches_eager(kind, splits, split_dv, atomics, u_once):
     """one_launch=True (the whole B = 1 step in one persistent kernel, stages ordered by device counters) gives the
     eager logits step after step; with several attention splits (some empty) the last split of each kv head merges
     them; down V by column blocks after gate/up U's per-block counters (split_down_v, the default: a partial a
-    block summed by down U, or atomic adds into one vector) or as one stage."""
+    block summed by down U, or atomic adds into one vector) or as one stage; o U and down U reading their input
+    once into register tiles (u_once)."""
     from dataclasses import astuple
 
     from rankserve.kernels.step_kernel import SLOTS, StepKernelConfig
@@ -195,9 +197,11 @@ def test_one_launch_step_matches_eager(kind, splits, split_dv, atomics):
         dec = FastDecoder(model, DecodeConfig(batch_size=1, max_seq_len=40, graph="none", num_splits=splits,
                                               one_launch=True,
                                               one_launch_tiles=astuple(StepKernelConfig(
-                                                  split_down_v=split_dv, down_v_atomics=atomics))))
+                                                  split_down_v=split_dv, down_v_atomics=atomics, u_once=u_once))))
         got = [dec.prefill(prompt)] + [dec.step(t).clone() for t in steps]
     _assert_steps_close(got, ref)
+    if u_once:  # o U's and down U's rank vectors in 2-3 register tiles of 4 (the interpreter's width with u_once)
+        assert dec.step_kernel._u_tiles(14, 4) in (2, 3) and dec.step_kernel._u_tiles(17, 4) in (2, 3)
     # the interpreter runs one program (programs run one after the other there, and a program waits on others'
     # items): it took rank 0 and counted itself done in every stage it ran (slot 3, once a merge stage, never runs);
     # each kv head's merge counter saw its splits

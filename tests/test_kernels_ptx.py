@@ -88,6 +88,7 @@ def compile_step_ptx(num_splits: int = 4, kind: str = "ptx") -> str:
                   ATT_BLOCK_N=64, DOT_PREC="tf32", STAGES=k.stages, STAGES_U=k.u_stages, STAGES_GU=k.gu_stages,
                   STAGES_DV=k.dv_stages, XO_HIDDEN=k.x_once, XO_INTER=False, WIL=k.wait_in_loop,
                   SPLIT_DV=k.split_down_v, DV_ATOMIC=k.down_v_atomics, DU_PARTS=1 if k.down_v_atomics else 3,
+                  UT_O=3 if k.u_once else 0, UT_D=2 if k.u_once else 0,  # ranks 1232 / 1792 in 512 / 1024 tiles
                   PREFETCH=k.prefetch,
                   TRACE=False, **k.constexprs(True, 64))
     sig = {n: STEP_POINTERS.get(n, "i32" if n in STEP_INTS else "fp32") for n in names if n not in consts}
@@ -125,6 +126,12 @@ def test_one_launch_step_reads_activations_around_l1_with_vector_copies():
     polls = [i for i, l in enumerate(v_norm) if "ld.global.gpu.acquire" in l]
     early = [l for l in v_norm[:polls[0]] if "cp.async.cg" in l and ".shared.global" in l]
     assert len(early) >= 16, f"q/k/v V: {len(early)} weight copies before its wait, 16 expected"
+    # o U and down U (u_once: the rank vector in registers, the wait in the loop): 2 tiles of 16 x 512 / 8 x 1024
+    for tag in ("_c16_c512_", "_c8_c1024_"):
+        [u] = [b for n, b in funcs.items() if n.startswith("_gemv_stage") and tag in n]
+        polls = [i for i, l in enumerate(u) if "ld.global.gpu.acquire" in l]
+        early = [l for l in u[:polls[0]] if "cp.async.cg" in l and ".shared.global" in l]
+        assert len(early) >= 16, f"U stage {tag}: {len(early)} weight copies before its wait, 16 expected"
     # q/k/v U (wait before the loop): its first tiles asked of L2 before its wait
     [qkv_u] = [b for n, b in funcs.items() if n.startswith("_qkv_u_stage")]
     polls = [i for i, l in enumerate(qkv_u) if "ld.global.gpu.acquire" in l]
