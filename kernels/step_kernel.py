@@ -7,23 +7,23 @@ own first weight bytes (decode.md). Here one launch walks every stage of every l
     per layer: Vqkv·norm(x) -> Uq/Uk/Uv + RoPE + K/V into the cache -> attention over each kv head (-> merge of
     the splits) -> Vo a -> x += Uo t -> Vgu·norm(x) -> SiLU(Ug t)·(Uu t) -> Vd m -> x += Ud t;  then the head.
 
-Scheduling. A stage is a list of items (a block of weight rows, a RoPE head chunk, a kv head), dealt to programs
-by rank: rank r takes items r, r + P, r + 2P, ... (P programs; ranks drawn from an atomic ticket as programs
-start). A program with items in a stage first asks L2 for its first weight tiles, then waits until the previous
-stage's done counter reaches P (an acquiring read), then runs one software-pipelined loop over (its items x tiles
-of K), so the weight stream stays `stages - 1` tiles ahead through shared memory across item boundaries (the V
-stages with a hidden-size input, and o U and down U, read it once into registers and wait at the loop's first step
-instead: the loop's prologue copies their first weight tiles into shared memory before the wait); at the end every program, items or not, adds 1 to
-the stage's done counter (release). With several attention splits the last split of a kv head to finish merges the
-head's partials (a counter per layer and kv head), not a stage. Down V (split_down_v) has no stage wait: gate/up U
-deals each program a contiguous run of items and, when done, counts them per column block of down V; down V's items
-(a column block x rows) wait for their block's count, so the programs without gate/up U's extra item stream down V's
-complete blocks while the others finish, each block's partial stored apart and summed by down U as it reads them
-(no atomics: the step is bitwise reproducible run to run). A program may wait on any other's
-items, so all P must be resident at once: StepKernel caps P at the compiled kernel's occupancy (registers, shared
-memory), and under the CPU interpreter, which runs programs one after the other, P = 1.
-Other work on the GPU only delays programs (they start as it drains); a GPU whose SMs are partitioned (MPS limits)
-could keep some from ever starting: use the per-kernel step there (DecodeConfig.one_launch=False).
+Scheduling. A stage is a list of items (a block of weight rows, a RoPE head chunk, a kv head), dealt to programs by
+rank: rank r takes items r, r + P, r + 2P, ... (P programs; ranks drawn from an atomic ticket as programs start). A
+program with items in a stage first asks L2 for its first weight tiles, then waits until the previous stage's done
+counter reaches P (an acquiring read), then runs one software-pipelined loop over (its items x tiles of K), so the
+weight stream stays `stages - 1` tiles ahead through shared memory across item boundaries (the V stages with a
+hidden-size input, and o U and down U, read it once into registers and wait at the loop's first step instead: the
+loop's prologue copies their first weight tiles into shared memory before the wait); at the end every program, items
+or not, adds 1 to the stage's done counter (release). With several attention splits the last split of a kv head to
+finish merges the head's partials (a counter per layer and kv head), not a stage. Down V (split_down_v) has no stage
+wait: gate/up U deals each program a contiguous run of items and, when done, counts them per column block of down V;
+down V's items (a column block x rows) wait for their block's count, so the programs without gate/up U's extra item
+stream down V's complete blocks while the others finish, each block's partial stored apart and summed by down U as
+it reads them (no atomics: the step is bitwise reproducible run to run). A program may wait on any other's items, so
+all P must be resident at once: StepKernel caps P at the compiled kernel's occupancy (registers, shared memory), and
+under the CPU interpreter, which runs programs one after the other, P = 1. Other work on the GPU only delays
+programs (they start as it drains); a GPU whose SMs are partitioned (MPS limits) could keep some from ever starting:
+use the per-kernel step there (DecodeConfig.one_launch=False).
 
 Coherence. Activations (x, t, q, a, m) are rewritten by other programs of the same launch, so they are read
 around L1: `.cg` loads, and in the pipelined loops 16-byte `cp.async.cg` copies. Triton issues L1-allocating
@@ -48,8 +48,8 @@ svd-llm keep 0.6 2.850 vs 3.225 ms/token for the per-kernel step, dobi 2.986 vs 
 prompt 2048 3.122 vs 3.476 (session 10, decode-h200-s10.json). The V stages read x once and wait inside their
 pipelined loop, so its prologue's weight tiles are asked for before the wait (x_once, wait_in_loop); down V goes by
 column blocks as gate/up U completes them (split_down_v); o U and down U read their input once into registers and
-wait in their loop too (u_once, added after that run: 2.844 -> 2.831 ms a step). Fusing each U map with the next V map
-by row blocks (6 stages a layer instead of 9) was measured slower (3.40 ms at best) and reverted: a stage's time
+wait in their loop too (u_once, added after that run: 2.844 -> 2.831 ms a step). Fusing each U map with the next
+V map by row blocks (6 stages a layer instead of 9) was measured slower (3.40 ms at best) and reverted: a stage's time
 follows its programs' pipelined steps more than its barrier (decode.md); so were deeper pipelines and 8 warps.
 Where the time goes, stage by stage: bench/step_trace.py (StepKernelConfig.trace).
 """
@@ -303,7 +303,8 @@ def _gemv_stage(ctr_ptr, rank, P, sid, prev, target, x_ptr, w_ptr, y_ptr, N, K, 
                     y = y * inv
             elif NORM:
                 y = y / tl.sqrt(ss / K + eps)
-            if RESIDUAL:  # (asked for at the item's first tile instead: o U 183 -> 194 us, step-trace-h200-s8-early.json)
+            if RESIDUAL:  # (asked for at the item's first tile instead: o U 183 -> 194 us,
+                # step-trace-h200-s8-early.json)
                 y += tl.load(y_ptr + offs_n, mask=mask_n, other=0.0, cache_modifier=".cg").to(tl.float32)
             tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
         acc = tl.where(last, 0.0, acc)
@@ -412,15 +413,14 @@ def _gate_up_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, ug_ptr, uu_ptr, m
 @triton.jit(noinline=True)
 def _down_v_blocks(ctr_ptr, blk_ptr, rank, P, sid, m_ptr, w_ptr, td_ptr, N, K, BN_GU: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, ATOMIC: tl.constexpr):
-    """td[c * N + n] = sum_k w[n, k] m[k] over the columns k of block c (BLOCK_K of them), for n < N, by items (block
-    c, BLOCK_N rows), one step an item: each block's partial stored apart, summed by down U as it reads them; with
-    ATOMIC, td[n] += the same with fp32 atomic adds (td zeroed by _zero earlier in the layer). No stage wait: before
-    its first item of
-    block c a program waits until gate/up U's items of that block are all counted (blk_ptr[c * PAD], acquire), so a
-    program done with gate/up U works on the blocks already complete while the stage's stragglers finish the last
-    one; the pipelined weight stream runs ahead across those waits. Blocks are visited from the second on (block 0,
-    where gate/up U's programs with an extra item work, last) and items dealt from the last rank down, so those
-    programs (the first ranks) are the last to get an extra one here."""
+    """td[c * N + n] = sum_k w[n, k] m[k] over the columns k of block c (BLOCK_K of them), for n < N, by items
+    (block c, BLOCK_N rows), one step an item: each block's partial stored apart, summed by down U as it reads them;
+    with ATOMIC, td[n] += the same with fp32 atomic adds (td zeroed by _zero earlier in the layer). No stage wait:
+    before its first item of block c a program waits until gate/up U's items of that block are all counted
+    (blk_ptr[c * PAD], acquire), so a program done with gate/up U works on the blocks already complete while the
+    stage's stragglers finish the last one; the pipelined weight stream runs ahead across those waits. Blocks are
+    visited from the second on (block 0, where gate/up U's programs with an extra item work, last) and items dealt
+    from the last rank down, so those programs (the first ranks) are the last to get an extra one here."""
     nr = tl.cdiv(N, BLOCK_N)
     nb = tl.cdiv(K, BLOCK_K)
     me = P - 1 - rank
