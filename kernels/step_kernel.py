@@ -126,6 +126,12 @@ class StepKernelConfig:
     # stragglers; step-trace-h200-s10-uonce.json). Session 9's inlined kernel lost with the same change (2.946 ->
     # 2.967): every stage slowed as the code grew (see Code in the module docstring)
     u_once: bool = True
+    # gate/up U the same way (its two inputs in up to 2 register tiles each, the wait inside its loop). Built and
+    # CPU-tested; not yet measured on the GPU (off)
+    gu_once: bool = False
+    # q/k/v U the same way (its q, k and v slices of t in up to 3 register tiles each). Built and CPU-tested; not yet
+    # measured on the GPU (off)
+    qkv_once: bool = False
     num_warps: int = 4  # 8 warps measured slower: 3.54 ms at one program an SM, 3.95-4.13 with registers capped for
     # two (spills; step-trace-h200-s9-warps.json)
     # GPU: the first tiles of a program's (items x tiles of K) sequence of a stage asked of L2 before it waits for
@@ -171,6 +177,10 @@ class StepKernelConfig:
                          gate_up_u=(16, 64), down_v=(4, 64), down_u=(8, 64), head=(16, 64))
             if self.u_once:  # 4-wide tiles: the test ranks (<= 16) take several register tiles
                 tiles.update(o_u=(16, 4), down_u=(8, 4))
+            if self.gu_once:  # 8-wide: gate's rank in two tiles
+                tiles.update(gate_up_u=(16, 8))
+            if self.qkv_once:  # 4-wide: the q/k/v ranks (<= 12) in up to three tiles
+                tiles.update(qkv_u=(16, 4))
         out = {}
         for n, (rows, width) in tiles.items():
             if n == "qkv_u":  # RoPE chunks: at most half a head's dims
@@ -330,6 +340,13 @@ def _read_tiles(x_ptr, K, PARTS: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.
 
 
 @triton.jit
+def _read3(x_ptr, K, BLOCK_K: tl.constexpr, TILES: tl.constexpr):
+    """x[:K] (from L2: .cg) in fp32 as three tiles of BLOCK_K, the first TILES read, the rest zeros."""
+    x1, x2, x3, _ = _read_tiles(x_ptr, K, 1, BLOCK_K, TILES)  # TILES <= 3
+    return x1, x2, x3
+
+
+@triton.jit
 def _read_tile(x_ptr, kt, K, PARTS: tl.constexpr, BLOCK_K: tl.constexpr):
     """Tile kt (BLOCK_K wide) of x[:K], the sum of PARTS vectors of K one after the other, fp32, from L2 (.cg)."""
     offs = kt * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -353,11 +370,14 @@ def _read_once(x_ptr, offs_x, K, eps, NORM: tl.constexpr):
 @triton.jit(noinline=True)
 def _gate_up_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, ug_ptr, uu_ptr, m_ptr, N, rg, ru, blk_ptr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-                   BK_BLK: tl.constexpr = 0):
+                   BK_BLK: tl.constexpr = 0, T_TILES: tl.constexpr = 0):
     """m[n] = silu(Ug[n] . t[:rg]) * (Uu[n] . t[rg:]) for n < N (pipelined as _gemv_stage). BK_BLK > 0: m is read
     by blocks of BK_BLK rows (_down_v_blocks): each program takes a contiguous run of items (the first n mod P programs
     one more) and, after its loop, adds its items of each block to the block's counter (blk_ptr, PAD apart,
-    release). Counting inside the loop (a barrier and an atomic at block changes) stopped triton pipelining it."""
+    release). Counting inside the loop (a barrier and an atomic at block changes) stopped triton pipelining it.
+    T_TILES in 1..2 (rg, ru <= T_TILES * BLOCK_K): t's two halves read once into T_TILES register tiles each, and
+    the wait inside the loop at its first step (as _gemv_stage's U_TILES), so the prologue's weight copies go out
+    before it."""
     nk = tl.cdiv(tl.maximum(rg, ru), BLOCK_K)
     n = tl.cdiv(N, BLOCK_N)
     if BK_BLK > 0:
@@ -367,17 +387,30 @@ def _gate_up_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, ug_ptr, uu_ptr, m
     else:
         first = rank
         mine = _mine(n, rank, P)
-    if PREFETCH > 0 and BK_BLK == 0:
+    if PREFETCH > 0 and BK_BLK == 0 and T_TILES == 0:
         _l2_prefetch(ug_ptr, rank, P, mine, nk, N, rg, BLOCK_N, BLOCK_K, PREFETCH)
         _l2_prefetch(uu_ptr, rank, P, mine, nk, N, ru, BLOCK_N, BLOCK_K, PREFETCH)
-    elif PREFETCH > 0:  # the first tile of the run
+    elif PREFETCH > 0 and T_TILES == 0:  # the first tile of the run
         rows = first * BLOCK_N + tl.arange(0, BLOCK_N)
         _prefetch_tile(ug_ptr, rows, (rows < N) & (mine > 0), rg, 0, BLOCK_K)
         _prefetch_tile(uu_ptr, rows, (rows < N) & (mine > 0), ru, 0, BLOCK_K)
-    _wait(ctr_ptr, prev, target, mine > 0)
+    if T_TILES == 0:
+        _wait(ctr_ptr, prev, target, mine > 0)
     g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    g1 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    g2 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    u1 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    u2 = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for j in tl.range(0, mine * nk, num_stages=STAGES):
+        if T_TILES > 0:  # the wait inside the loop, then t read once (see the docstring)
+            if j == 0:
+                _wait(ctr_ptr, prev, target, True)
+                g1 = _read_tile(t_ptr, 0, rg, 1, BLOCK_K)
+                u1 = _read_tile(t_ptr + rg, 0, ru, 1, BLOCK_K)
+                if T_TILES > 1:
+                    g2 = _read_tile(t_ptr, 1, rg, 1, BLOCK_K)
+                    u2 = _read_tile(t_ptr + rg, 1, ru, 1, BLOCK_K)
         if BK_BLK > 0:
             it = j // nk
             kc = j - it * nk
@@ -392,8 +425,12 @@ def _gate_up_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, ug_ptr, uu_ptr, m
                      other=0.0, eviction_policy="evict_first")
         wu = tl.load(uu_ptr + offs_n[:, None] * ru + offs_k[None, :], mask=mask_n[:, None] & (offs_k < ru)[None, :],
                      other=0.0, eviction_policy="evict_first")
-        tg = tl.load(t_ptr + offs_k, mask=offs_k < rg, other=0.0, cache_modifier=".cg")
-        tu = tl.load(t_ptr + rg + offs_k, mask=offs_k < ru, other=0.0, cache_modifier=".cg")
+        if T_TILES > 0:
+            tg = tl.where(kc == 0, g1, g2)
+            tu = tl.where(kc == 0, u1, u2)
+        else:
+            tg = tl.load(t_ptr + offs_k, mask=offs_k < rg, other=0.0, cache_modifier=".cg")
+            tu = tl.load(t_ptr + rg + offs_k, mask=offs_k < ru, other=0.0, cache_modifier=".cg")
         g += tl.sum(wg.to(tl.float32) * tg[None, :], axis=1)
         u += tl.sum(wu.to(tl.float32) * tu[None, :], axis=1)
         if last:
@@ -467,26 +504,37 @@ def _zero(ctr_ptr, after, rank, P, y_ptr, n, BLOCK: tl.constexpr):
 def _qkv_u_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, w_ptr, off_q, off_k, off_v, rq, rk, rv,
                  cos_ptr, sin_ptr, pos, q_ptr, kc_ptr, vc_ptr, stride_ks, stride_kh,
                  H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr):
+                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, T_TILES: tl.constexpr = 0):
     """Item (head p of q|k|v, chunk of BLOCK_D dims of each half): rows (d, d + HALF) of that head from its U and
     its slice of t, RoPE on q and k at position pos, q stored, k and v written into the cache at pos (kc/vc: this
-    layer's, row 0). Pipelined as _gemv_stage over the largest of the three ranks (masked beyond each's own)."""
+    layer's, row 0). Pipelined as _gemv_stage over the largest of the three ranks (masked beyond each's own).
+    T_TILES in 1..3 (every rank <= T_TILES * BLOCK_K): t's q, k and v slices read once into T_TILES register tiles
+    each, and the wait inside the loop at its first step (as _gemv_stage's U_TILES)."""
     NC: tl.constexpr = (HALF + BLOCK_D - 1) // BLOCK_D
     nk = tl.cdiv(tl.maximum(tl.maximum(rq, rk), rv), BLOCK_K)
     mine = _mine((H + 2 * HKV) * NC, rank, P)
-    for j in tl.static_range(PREFETCH):
+    for j in tl.static_range(PREFETCH if T_TILES == 0 else 0):
         i, kc, _ = _position(j, nk, rank, P)
         u_ptr, r, t_off, head, offs_d, p = _qkv_item(i, w_ptr, off_q, off_k, off_v, rq, rk, rv, H, HKV, BLOCK_D, NC)
         rows = head * (2 * HALF) + offs_d
         ok = (offs_d < HALF) & (j < mine * nk)
         _prefetch_tile(u_ptr, rows, ok, r, kc * BLOCK_K, BLOCK_K)
         _prefetch_tile(u_ptr, rows + HALF, ok, r, kc * BLOCK_K, BLOCK_K)
-    _wait(ctr_ptr, prev, target, mine > 0)
+    if T_TILES == 0:
+        _wait(ctr_ptr, prev, target, mine > 0)
     y1 = tl.zeros((BLOCK_D,), dtype=tl.float32)
     y2 = tl.zeros((BLOCK_D,), dtype=tl.float32)
     cos = tl.zeros((BLOCK_D,), dtype=tl.float32)
     sin = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    z = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    q1, q2, q3, k1, k2, k3, v1, v2, v3 = z, z, z, z, z, z, z, z, z
     for j in tl.range(0, mine * nk, num_stages=STAGES):
+        if T_TILES > 0:  # the wait inside the loop, then t read once (see the docstring)
+            if j == 0:
+                _wait(ctr_ptr, prev, target, True)
+                q1, q2, q3 = _read3(t_ptr, rq, BLOCK_K, T_TILES)
+                k1, k2, k3 = _read3(t_ptr + rq, rk, BLOCK_K, T_TILES)
+                v1, v2, v3 = _read3(t_ptr + rq + rk, rv, BLOCK_K, T_TILES)
         i, kc, last = _position(j, nk, rank, P)
         u_ptr, r, t_off, head, offs_d, p = _qkv_item(i, w_ptr, off_q, off_k, off_v, rq, rk, rv, H, HKV, BLOCK_D, NC)
         rows = head * (2 * HALF) + offs_d  # dims d of the head; their RoPE partners are rows + HALF
@@ -502,7 +550,13 @@ def _qkv_u_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, w_ptr, off_q, off_k
         w1 = tl.load(u_ptr + rows[:, None] * r + offs_k[None, :], mask=mask_w, other=0.0, eviction_policy="evict_first")
         w2 = tl.load(u_ptr + (rows + HALF)[:, None] * r + offs_k[None, :], mask=mask_w, other=0.0,
                      eviction_policy="evict_first")
-        tk = tl.load(t_ptr + t_off + offs_k, mask=mask_k, other=0.0, cache_modifier=".cg")
+        if T_TILES > 0:  # this step's tile of the item's slice (p: q heads, then k, then v)
+            tq = tl.where(kc == 0, q1, tl.where(kc == 1, q2, q3))
+            tkk = tl.where(kc == 0, k1, tl.where(kc == 1, k2, k3))
+            tv = tl.where(kc == 0, v1, tl.where(kc == 1, v2, v3))
+            tk = tl.where(p < H, tq, tl.where(p < H + HKV, tkk, tv))
+        else:
+            tk = tl.load(t_ptr + t_off + offs_k, mask=mask_k, other=0.0, cache_modifier=".cg")
         y1 += tl.sum(w1.to(tl.float32) * tk[None, :], axis=1)  # dims d
         y2 += tl.sum(w2.to(tl.float32) * tk[None, :], axis=1)  # dims d + HALF
         if last:
@@ -632,7 +686,7 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
                  STAGES: tl.constexpr, STAGES_U: tl.constexpr, STAGES_GU: tl.constexpr, STAGES_DV: tl.constexpr,
                  XO_HIDDEN: tl.constexpr, WIL: tl.constexpr,
                  XO_INTER: tl.constexpr, SPLIT_DV: tl.constexpr, DV_ATOMIC: tl.constexpr, DU_PARTS: tl.constexpr,
-                 UT_O: tl.constexpr, UT_D: tl.constexpr,
+                 UT_O: tl.constexpr, UT_D: tl.constexpr, UT_GU: tl.constexpr, UT_QKV: tl.constexpr,
                  PREFETCH: tl.constexpr, TRACE: tl.constexpr):
     D: tl.constexpr = 2 * HALF
     NS = L * SLOTS + 1  # stages: SLOTS a layer, then the head
@@ -656,7 +710,7 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
         _stamp(trace_ptr, rank, s0 + 1, NS, TRACE)
         _qkv_u_stage(ctr_ptr, rank, P, s0 + 1, s0, P, t_ptr, w_ptr, _offset(mp, 1), _offset(mp, 2), _offset(mp, 3),
                      rq, rk, rv, cos_ptr, sin_ptr, pos, q_ptr, kc, vc, stride_ks, stride_kh, H, HKV, HALF, BN_QKV_U,
-                     BK_QKV_U, STAGES_U, PREFETCH)
+                     BK_QKV_U, STAGES_U, PREFETCH, UT_QKV)
         blk = ctr_ptr + blk_off + layer * tl.cdiv(inter, BK_DOWN_V) * PAD  # this layer's down V block counters
         if SPLIT_DV and DV_ATOMIC:  # td (down V's output, fp32 atomic adds) zeroed once q/k/v V is complete: the
             # previous layer's down U, its last reader, is then complete too
@@ -677,7 +731,7 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
         _stamp(trace_ptr, rank, s0 + 7, NS, TRACE)
         _gate_up_stage(ctr_ptr, rank, P, s0 + 7, s0 + 6, P, t_ptr, _weight(w_ptr, mp, 7), _weight(w_ptr, mp, 8), m_ptr,
                        inter, rg, ru, blk, BN_GATE_UP_U, BK_GATE_UP_U, STAGES_GU, PREFETCH,
-                       BK_DOWN_V if SPLIT_DV else 0)
+                       BK_DOWN_V if SPLIT_DV else 0, UT_GU)
         _stamp(trace_ptr, rank, s0 + 8, NS, TRACE)
         if SPLIT_DV:
             _down_v_blocks(ctr_ptr, blk, rank, P, s0 + 8, m_ptr, _weight(w_ptr, mp, 9), td_ptr, rd, inter, BN_GATE_UP_U,
@@ -756,6 +810,16 @@ class StepKernel:
         n = -(-self.top_rank[col] // width)
         return n if self.kcfg.u_once and n <= 4 else 0
 
+    def _gu_tiles(self, width: int) -> int:
+        """gu_once: register tiles of `width` for each of gate/up U's two inputs (0: off, or over 2)."""
+        n = -(-max(self.top_rank[15], self.top_rank[16]) // width)
+        return n if self.kcfg.gu_once and self.kcfg.wait_in_loop and n <= 2 else 0
+
+    def _qkv_tiles(self, width: int) -> int:
+        """qkv_once: register tiles of `width` for each of q/k/v U's three inputs (0: off, or over 3)."""
+        n = -(-max(self.top_rank[11], self.top_rank[12], self.top_rank[13]) // width)
+        return n if self.kcfg.qkv_once and self.kcfg.wait_in_loop and n <= 3 else 0
+
     def run(self) -> None:
         cfg, b, k = self.cfg, self.b, self.kcfg
         H, HKV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -779,6 +843,7 @@ class StepKernel:
             XO_INTER=k.x_once and cfg.intermediate_size <= tiles["BK_DOWN_V"], WIL=k.wait_in_loop,
             SPLIT_DV=k.split_down_v, DV_ATOMIC=k.down_v_atomics, DU_PARTS=self.du_parts,
             UT_O=self._u_tiles(14, tiles["BK_O_U"]), UT_D=self._u_tiles(17, tiles["BK_DOWN_U"]),
+            UT_GU=self._gu_tiles(tiles["BK_GATE_UP_U"]), UT_QKV=self._qkv_tiles(tiles["BK_QKV_U"]),
             PREFETCH=k.prefetch if on_gpu else 0, TRACE=k.trace and on_gpu,
             num_warps=k.num_warps if on_gpu else 1, **({"maxnreg": k.maxnreg} if on_gpu and k.maxnreg else {}))
         if on_gpu and self.resident is None:

@@ -74,21 +74,23 @@ STEP_POINTERS = {"w_ptr": "*bf16", "meta_ptr": "*i64", "head_ptr": "*bf16", "x_p
 STEP_INTS = ("L", "hidden", "inter", "vocab", "stride_kl", "stride_ks", "stride_kh", "blk_off")
 
 
-def compile_step_ptx(num_splits: int = 4, kind: str = "ptx") -> str:
-    """PTX of the one-launch step (kernels/step_kernel.py) for sm90 at the default StepKernelConfig and LLaMA-7B
-    heads; pointers and the 16-divisible sizes carry the alignment triton specializes them with on the GPU."""
+def compile_step_ptx(num_splits: int = 4, kind: str = "ptx", **fields) -> str:
+    """PTX of the one-launch step (kernels/step_kernel.py) for sm90 at the default StepKernelConfig (or with the
+    given fields) and LLaMA-7B heads; pointers and the 16-divisible sizes carry the alignment triton specializes them
+    with on the GPU."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from rankserve.kernels.step_kernel import StepKernelConfig, _step_kernel
-    k = StepKernelConfig()
+    k = StepKernelConfig(**fields)
     names = list(inspect.signature(_step_kernel.fn).parameters)
     consts = dict(H=32, HKV=32, HALF=64, D_PAD=128, NUM_SPLITS=num_splits, SPLITS_PAD=num_splits, BLOCK_H=16,
                   ATT_BLOCK_N=64, DOT_PREC="tf32", STAGES=k.stages, STAGES_U=k.u_stages, STAGES_GU=k.gu_stages,
                   STAGES_DV=k.dv_stages, XO_HIDDEN=k.x_once, XO_INTER=False, WIL=k.wait_in_loop,
                   SPLIT_DV=k.split_down_v, DV_ATOMIC=k.down_v_atomics, DU_PARTS=1 if k.down_v_atomics else 3,
                   UT_O=3 if k.u_once else 0, UT_D=2 if k.u_once else 0,  # ranks 1232 / 1792 in 512 / 1024 tiles
+                  UT_GU=2 if k.gu_once else 0, UT_QKV=3 if k.qkv_once else 0,
                   PREFETCH=k.prefetch,
                   TRACE=False, **k.constexprs(True, 64))
     sig = {n: STEP_POINTERS.get(n, "i32" if n in STEP_INTS else "fp32") for n in names if n not in consts}
@@ -136,6 +138,24 @@ def test_one_launch_step_reads_activations_around_l1_with_vector_copies():
     [qkv_u] = [b for n, b in funcs.items() if n.startswith("_qkv_u_stage")]
     polls = [i for i, l in enumerate(qkv_u) if "ld.global.gpu.acquire" in l]
     assert any("prefetch.global.L2" in l for l in qkv_u[:polls[0]]), "no L2 prefetch before the U wait"
+
+
+def test_u_stages_reading_their_input_once_copy_weights_before_their_wait():
+    """gu_once / qkv_once (off by default, not yet measured on the GPU): gate/up U and q/k/v U hold t in registers
+    and wait inside their loop, so the pipeline's first weight copies precede the wait, as for the V stages."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_kernels_ptx as t; "
+            f"print(json.dumps(t.compile_step_ptx(gu_once=True, qkv_once=True)))")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"offline sm90 compile failed:\n{run.stderr[-3000:]}"
+    funcs = ptx_functions(json.loads(run.stdout.strip().splitlines()[-1]).splitlines())
+    # gate/up U: 2 tiles of 8 x 1024 bf16 a step (gate and up), 8 copies a thread each, two steps ahead;
+    # q/k/v U: 2 tiles of 8 x 512 a step (dims d and d + half), 4 copies each
+    for name, least in (("_gate_up_stage", 32), ("_qkv_u_stage", 16)):
+        [body] = [b for n, b in funcs.items() if n.startswith(name)]
+        polls = [i for i, l in enumerate(body) if "ld.global.gpu.acquire" in l]
+        early = [l for l in body[:polls[0]] if "cp.async.cg" in l and ".shared.global" in l]
+        assert len(early) >= least, f"{name}: {len(early)} weight copies before its wait, {least} expected"
 
 
 def ptx_functions(lines: list[str]) -> dict[str, list[str]]:
