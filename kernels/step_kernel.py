@@ -132,6 +132,9 @@ class StepKernelConfig:
     # q/k/v U the same way (its q, k and v slices of t in up to 3 register tiles each). Built and CPU-tested; not yet
     # measured on the GPU (off)
     qkv_once: bool = False
+    # GPU: the attention stage asks L2 for its first item's cached keys and values before its wait (the step's own
+    # K/V row excepted). Built; not yet measured on the GPU (off)
+    att_prefetch: bool = False
     num_warps: int = 4  # 8 warps measured slower: 3.54 ms at one program an SM, 3.95-4.13 with registers capped for
     # two (spills; step-trace-h200-s9-warps.json)
     # GPU: the first tiles of a program's (items x tiles of K) sequence of a stage asked of L2 before it waits for
@@ -598,15 +601,24 @@ def _qkv_item(i, w_ptr, off_q, off_k, off_v, rq, rk, rv, H: tl.constexpr, HKV: t
 def _attention_stage(ctr_ptr, rank, P, sid, prev, target, q_ptr, kc_ptr, vc_ptr, stride_ks, stride_kh, seqlen,
                      a_ptr, mid_o_ptr, mid_lse_ptr, head_ctr_ptr, qk_scale, G: tl.constexpr, HKV: tl.constexpr,
                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, DOT_PREC: tl.constexpr):
+                     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, DOT_PREC: tl.constexpr,
+                     PREFETCH: tl.constexpr = False):
     """Item (kv head hk, split): its query heads over the split's keys; one split writes a (H, D) directly,
     several write partials mid_o (H, NUM_SPLITS, D) fp32 and mid_lse (H, NUM_SPLITS), and the last of a kv head's
     splits to finish (a per-head counter, head_ctr_ptr[hk]) merges them into a: no merge stage (measured on the
-    H200 against one: 3.036 -> 3.000 ms a step, bench/results/step-trace-h200-s7b.json)."""
+    H200 against one: 3.036 -> 3.000 ms a step, bench/results/step-trace-h200-s7b.json). PREFETCH (GPU): the first
+    item's first BLOCK_N keys and values already in the cache (all but the current token's, which q/k/v U writes)
+    asked of L2 before the wait."""
     i = rank
     split_len = tl.cdiv(tl.cdiv(seqlen, NUM_SPLITS), BLOCK_N) * BLOCK_N
     offs_d = tl.arange(0, D_PAD)
     mask_d = offs_d < D
+    if PREFETCH:
+        if i < HKV * NUM_SPLITS:
+            keys = (i % NUM_SPLITS) * split_len + tl.arange(0, BLOCK_N)
+            ok = keys < seqlen - 1
+            _prefetch_tile(kc_ptr + (i // NUM_SPLITS) * stride_kh, keys, ok, stride_ks, 0, D_PAD)
+            _prefetch_tile(vc_ptr + (i // NUM_SPLITS) * stride_kh, keys, ok, stride_ks, 0, D_PAD)
     _wait(ctr_ptr, prev, target, i < HKV * NUM_SPLITS)
     while i < HKV * NUM_SPLITS:
         hk = i // NUM_SPLITS
@@ -687,6 +699,7 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
                  XO_HIDDEN: tl.constexpr, WIL: tl.constexpr,
                  XO_INTER: tl.constexpr, SPLIT_DV: tl.constexpr, DV_ATOMIC: tl.constexpr, DU_PARTS: tl.constexpr,
                  UT_O: tl.constexpr, UT_D: tl.constexpr, UT_GU: tl.constexpr, UT_QKV: tl.constexpr,
+                 PREFETCH_ATT: tl.constexpr,
                  PREFETCH: tl.constexpr, TRACE: tl.constexpr):
     D: tl.constexpr = 2 * HALF
     NS = L * SLOTS + 1  # stages: SLOTS a layer, then the head
@@ -718,7 +731,7 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
         _stamp(trace_ptr, rank, s0 + 2, NS, TRACE)
         _attention_stage(ctr_ptr, rank, P, s0 + 2, s0 + 1, P, q_ptr, kc, vc, stride_ks, stride_kh, pos + 1, a_ptr,
                          mid_o_ptr, mid_lse_ptr, ctr_ptr + (L * SLOTS + 2) * PAD + layer * HKV, qk_scale, H // HKV,
-                         HKV, D, D_PAD, BLOCK_H, ATT_BLOCK_N, NUM_SPLITS, SPLITS_PAD, DOT_PREC)
+                         HKV, D, D_PAD, BLOCK_H, ATT_BLOCK_N, NUM_SPLITS, SPLITS_PAD, DOT_PREC, PREFETCH_ATT)
         _stamp(trace_ptr, rank, s0 + 4, NS, TRACE)
         _gemv_stage(ctr_ptr, rank, P, s0 + 4, s0 + 2, P, a_ptr, _weight(w_ptr, mp, 4), t_ptr, ro, H * D, eps, False,
                     False, BN_O_V, BK_O_V, STAGES, PREFETCH, XO_HIDDEN, WIL)
@@ -844,6 +857,7 @@ class StepKernel:
             SPLIT_DV=k.split_down_v, DV_ATOMIC=k.down_v_atomics, DU_PARTS=self.du_parts,
             UT_O=self._u_tiles(14, tiles["BK_O_U"]), UT_D=self._u_tiles(17, tiles["BK_DOWN_U"]),
             UT_GU=self._gu_tiles(tiles["BK_GATE_UP_U"]), UT_QKV=self._qkv_tiles(tiles["BK_QKV_U"]),
+            PREFETCH_ATT=k.att_prefetch and on_gpu,
             PREFETCH=k.prefetch if on_gpu else 0, TRACE=k.trace and on_gpu,
             num_warps=k.num_warps if on_gpu else 1, **({"maxnreg": k.maxnreg} if on_gpu and k.maxnreg else {}))
         if on_gpu and self.resident is None:
