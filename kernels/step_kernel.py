@@ -343,13 +343,6 @@ def _read_tiles(x_ptr, K, PARTS: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.
 
 
 @triton.jit
-def _read3(x_ptr, K, BLOCK_K: tl.constexpr, TILES: tl.constexpr):
-    """x[:K] (from L2: .cg) in fp32 as three tiles of BLOCK_K, the first TILES read, the rest zeros."""
-    x1, x2, x3, _ = _read_tiles(x_ptr, K, 1, BLOCK_K, TILES)  # TILES <= 3
-    return x1, x2, x3
-
-
-@triton.jit
 def _read_tile(x_ptr, kt, K, PARTS: tl.constexpr, BLOCK_K: tl.constexpr):
     """Tile kt (BLOCK_K wide) of x[:K], the sum of PARTS vectors of K one after the other, fp32, from L2 (.cg)."""
     offs = kt * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -409,11 +402,8 @@ def _gate_up_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, ug_ptr, uu_ptr, m
         if T_TILES > 0:  # the wait inside the loop, then t read once (see the docstring)
             if j == 0:
                 _wait(ctr_ptr, prev, target, True)
-                g1 = _read_tile(t_ptr, 0, rg, 1, BLOCK_K)
-                u1 = _read_tile(t_ptr + rg, 0, ru, 1, BLOCK_K)
-                if T_TILES > 1:
-                    g2 = _read_tile(t_ptr, 1, rg, 1, BLOCK_K)
-                    u2 = _read_tile(t_ptr + rg, 1, ru, 1, BLOCK_K)
+                g1, g2, _, _ = _read_tiles(t_ptr, rg, 1, BLOCK_K, T_TILES)  # T_TILES <= 2
+                u1, u2, _, _ = _read_tiles(t_ptr + rg, ru, 1, BLOCK_K, T_TILES)
         if BK_BLK > 0:
             it = j // nk
             kc = j - it * nk
@@ -535,9 +525,9 @@ def _qkv_u_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, w_ptr, off_q, off_k
         if T_TILES > 0:  # the wait inside the loop, then t read once (see the docstring)
             if j == 0:
                 _wait(ctr_ptr, prev, target, True)
-                q1, q2, q3 = _read3(t_ptr, rq, BLOCK_K, T_TILES)
-                k1, k2, k3 = _read3(t_ptr + rq, rk, BLOCK_K, T_TILES)
-                v1, v2, v3 = _read3(t_ptr + rq + rk, rv, BLOCK_K, T_TILES)
+                q1, q2, q3, _ = _read_tiles(t_ptr, rq, 1, BLOCK_K, T_TILES)  # T_TILES <= 3
+                k1, k2, k3, _ = _read_tiles(t_ptr + rq, rk, 1, BLOCK_K, T_TILES)
+                v1, v2, v3, _ = _read_tiles(t_ptr + rq + rk, rv, 1, BLOCK_K, T_TILES)
         i, kc, last = _position(j, nk, rank, P)
         u_ptr, r, t_off, head, offs_d, p = _qkv_item(i, w_ptr, off_q, off_k, off_v, rq, rk, rv, H, HKV, BLOCK_D, NC)
         rows = head * (2 * HALF) + offs_d  # dims d of the head; their RoPE partners are rows + HALF
@@ -791,14 +781,15 @@ class StepKernel:
             offs = [(w.data_ptr() - base.data_ptr()) // es for w in ws]
             rows.append(offs + ranks)
         self.meta = torch.tensor(rows, dtype=torch.int64, device=dev)  # (L, 18)
-        self.top_rank = {col: max(r[col] for r in rows) for col in range(11, 18)}  # by META column, on the host
         self.base, self.head_n, self.b, self.cfg = base, head_n, bufs, cfg
         self.num_splits = num_splits
         # counter 0: rank tickets; then one done counter per stage, PAD apart; then a merge counter per (layer, kv
         # head); then (split_down_v) a counter per (layer, down V column block), PAD apart
         merge_end = (len(layers) * SLOTS + 2) * PAD + len(layers) * cfg.num_key_value_heads
         self.blk_off = -(-merge_end // PAD) * PAD
-        dv_width = self.kcfg.constexprs(dev.type == "cuda", cfg.head_dim // 2)["BK_DOWN_V"]
+        self.on_gpu = dev.type == "cuda"
+        width = self.kcfg.constexprs(self.on_gpu, cfg.head_dim // 2)  # the kernel's tile constants
+        dv_width = width["BK_DOWN_V"]
         n_blk = len(layers) * -(-cfg.intermediate_size // dv_width) if self.kcfg.split_down_v else 0
         self.ctr = torch.zeros(self.blk_off + n_blk * PAD, dtype=torch.int32, device=dev)
         # split_down_v: down V's output (the largest rank of the layers), fp32: a partial a column block, summed by
@@ -806,7 +797,15 @@ class StepKernel:
         n_dv = -(-cfg.intermediate_size // dv_width)
         self.du_parts = n_dv if self.kcfg.split_down_v and not self.kcfg.down_v_atomics else 1
         self.td = torch.zeros(self.du_parts * max(max(r[17] for r in rows), 16), dtype=torch.float32, device=dev)
-        self.on_gpu = dev.type == "cuda"
+        # U stages reading their input once (u_once, gu_once, qkv_once): register tiles of the stage's width that the
+        # largest rank of its inputs takes, over the layers; 0 = read a tile a step (off, or more tiles than held)
+        top = [max(r[col] for r in rows) for col in range(11, 18)]  # q, k, v, o, gate, up, down
+        k = self.kcfg
+        self.reg_tiles = dict(
+            UT_O=register_tiles(top[3], width["BK_O_U"], k.u_once, 4),
+            UT_D=register_tiles(top[6], width["BK_DOWN_U"], k.u_once, 4),
+            UT_GU=register_tiles(max(top[4:6]), width["BK_GATE_UP_U"], k.gu_once and k.wait_in_loop, 2),
+            UT_QKV=register_tiles(max(top[:3]), width["BK_QKV_U"], k.qkv_once and k.wait_in_loop, 3))
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if self.on_gpu else 1
         # one program an SM until the compiled kernel's occupancy is known (the first run); the interpreter runs
         # programs one after the other, so there a single program does every item
@@ -817,21 +816,6 @@ class StepKernel:
         # untraced, the kernel never touches it and gets the counters as a placeholder pointer
         self.trace = (torch.zeros(self.sms * 32, n_stages + 2, dtype=torch.int64, device=dev)
                       if self.kcfg.trace else self.ctr)
-
-    def _u_tiles(self, col: int, width: int) -> int:
-        """u_once: register tiles of `width` that the largest rank in meta column col needs (0: off, or over 4)."""
-        n = -(-self.top_rank[col] // width)
-        return n if self.kcfg.u_once and n <= 4 else 0
-
-    def _gu_tiles(self, width: int) -> int:
-        """gu_once: register tiles of `width` for each of gate/up U's two inputs (0: off, or over 2)."""
-        n = -(-max(self.top_rank[15], self.top_rank[16]) // width)
-        return n if self.kcfg.gu_once and self.kcfg.wait_in_loop and n <= 2 else 0
-
-    def _qkv_tiles(self, width: int) -> int:
-        """qkv_once: register tiles of `width` for each of q/k/v U's three inputs (0: off, or over 3)."""
-        n = -(-max(self.top_rank[11], self.top_rank[12], self.top_rank[13]) // width)
-        return n if self.kcfg.qkv_once and self.kcfg.wait_in_loop and n <= 3 else 0
 
     def run(self) -> None:
         cfg, b, k = self.cfg, self.b, self.kcfg
@@ -855,8 +839,7 @@ class StepKernel:
             XO_HIDDEN=k.x_once and max(cfg.hidden_size, H * D) <= min(tiles[f"BK_{n}"] for n in XO_STAGES),
             XO_INTER=k.x_once and cfg.intermediate_size <= tiles["BK_DOWN_V"], WIL=k.wait_in_loop,
             SPLIT_DV=k.split_down_v, DV_ATOMIC=k.down_v_atomics, DU_PARTS=self.du_parts,
-            UT_O=self._u_tiles(14, tiles["BK_O_U"]), UT_D=self._u_tiles(17, tiles["BK_DOWN_U"]),
-            UT_GU=self._gu_tiles(tiles["BK_GATE_UP_U"]), UT_QKV=self._qkv_tiles(tiles["BK_QKV_U"]),
+            **self.reg_tiles,
             PREFETCH_ATT=k.att_prefetch and on_gpu,
             PREFETCH=k.prefetch if on_gpu else 0, TRACE=k.trace and on_gpu,
             num_warps=k.num_warps if on_gpu else 1, **({"maxnreg": k.maxnreg} if on_gpu and k.maxnreg else {}))
@@ -865,6 +848,12 @@ class StepKernel:
             # must be resident at once. Cap the grid at what fits (registers, shared memory, warps per SM).
             self.resident = resident_programs(kernel.n_regs, kernel.metadata.shared, k.num_warps, kc.device)
             self.grid = (self.sms * min(k.programs_per_sm, self.resident),)
+
+
+def register_tiles(rank: int, width: int, on: bool, most: int) -> int:
+    """Tiles of `width` a rank-`rank` input takes when held in registers: 0 when off or more than `most`."""
+    n = -(-rank // width)
+    return n if on and n <= most else 0
 
 
 def layer_weights(L) -> tuple[list[torch.Tensor], list[int]]:

@@ -63,15 +63,11 @@ def test_markdown_and_config_values():
 def test_reproducible_compares_two_runs_bitwise():
     """reproducible(): the same prompt and steps twice through a decoder (here the CPU per-kernel path, deterministic)
     give the same logits; a decoder whose logits drift between runs is caught."""
-    from rankserve.bench.decode import build_model, plan_ranks
+    from tiny_factorized import tiny_model
+
     from rankserve.bench.step_trace import reproducible
-    from rankserve.workers.config import ModelConfig
     from rankserve.workers.fast_decode import DecodeConfig, FastDecoder
-    cfg = ModelConfig(vocab_size=53, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64)
-    ranks, groups = plan_ranks(cfg, "svd-llm", 0.6)
-    dec = FastDecoder(build_model(cfg, ranks, groups, "cpu", torch.float32),
-                      DecodeConfig(batch_size=1, max_seq_len=32, graph="none"))
+    dec = FastDecoder(tiny_model(6), DecodeConfig(batch_size=1, max_seq_len=32, graph="none"))
     assert reproducible(dec, 5, 3)
     calls = iter(range(10 ** 6))
     step = dec.step

@@ -203,11 +203,12 @@ def test_one_launch_step_matches_eager(kind, splits, split_dv, atomics, u_once, 
         got = [dec.prefill(prompt)] + [dec.step(t).clone() for t in steps]
     _assert_steps_close(got, ref)
     if u_once:  # o U's and down U's rank vectors in 2-3 register tiles of 4 (the interpreter's width with u_once)
-        assert dec.step_kernel._u_tiles(14, 4) in (2, 3) and dec.step_kernel._u_tiles(17, 4) in (2, 3)
+        tiles = dec.step_kernel.reg_tiles
+        assert tiles["UT_O"] in (2, 3) and tiles["UT_D"] in (2, 3)
     if gu_once:  # gate/up U's inputs in 1-2 register tiles of 8 (the interpreter's width with gu_once)
-        assert dec.step_kernel._gu_tiles(8) in (1, 2)
+        assert dec.step_kernel.reg_tiles["UT_GU"] in (1, 2)
     if qkv_once:  # q/k/v U's slices in 2-3 register tiles of 4
-        assert dec.step_kernel._qkv_tiles(4) in (2, 3)
+        assert dec.step_kernel.reg_tiles["UT_QKV"] in (2, 3)
     # the interpreter runs one program (programs run one after the other there, and a program waits on others'
     # items): it took rank 0 and counted itself done in every stage it ran (slot 3, once a merge stage, never runs);
     # each kv head's merge counter saw its splits
