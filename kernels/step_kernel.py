@@ -98,7 +98,6 @@ class StepKernelConfig:
     stages: int = 3
     u_stages: int = 3
     gu_stages: int = 3
-    uo_stages: int = 0  # o U and down U alone (0: u_stages). Built; not yet measured on the GPU
     dv_stages: int = 3
     # V stages whose input fits one tile (K <= its width: all but down V at the 7B shape) read it once a stage into
     # registers instead of once a step through the pipeline's shared memory (measured: 2.989 -> 2.973 ms a step,
@@ -127,25 +126,17 @@ class StepKernelConfig:
     # stragglers; step-trace-h200-s10-uonce.json). Session 9's inlined kernel lost with the same change (2.946 ->
     # 2.967): every stage slowed as the code grew (see Code in the module docstring)
     u_once: bool = True
-    # gate/up U the same way (its two inputs in up to 2 register tiles each, the wait inside its loop). Built and
-    # CPU-tested; not yet measured on the GPU (off)
+    # gate/up U the same way (its two inputs in up to 2 register tiles each, the wait inside its loop). Measured no
+    # gain (2.828 vs 2.831 / 2.834 ms: gate/up U 774 -> 717 us, gate/up V 284 -> 340 as its stragglers now compete
+    # with the early tiles; step-trace-h200-s11-once.json): off
     gu_once: bool = False
-    # q/k/v U the same way (its q, k and v slices of t in up to 3 register tiles each). Built and CPU-tested; not yet
-    # measured on the GPU (off)
+    # q/k/v U the same way (its q, k and v slices of t in up to 3 register tiles each). Measured no gain (2.839 ms,
+    # same run): off
     qkv_once: bool = False
     # GPU: the attention stage asks L2 for its first item's cached keys and values before its wait (the step's own
-    # K/V row excepted). Built; not yet measured on the GPU (off)
-    att_prefetch: bool = False
-    # GPU: the attention stage barely uses memory bandwidth (~0.55 TB/s over its span: dependent round trips), so the
-    # programs without an attention item, once q/k/v U is complete, ask L2 for the weights of the stages after it
-    # (1: o V; 2: o V and o U), split between them a 64 KB chunk at a time. Built; not yet measured on the GPU (0)
-    att_ahead: int = 0
-    # o U and down U (u_once, wait_in_loop): the residual rows of a program's first item read before its wait (their
-    # last writer completed stages before), not after the item's last tile. Built; not yet measured on the GPU (off)
-    resid_early: bool = False
-    # GPU: each stage starts by asking L2 for this many of the next stage's first tiles (a program's own), so that
-    # stage's first copies, issued at its start, find them in L2. Built; not yet measured on the GPU (0)
-    prefetch_next: int = 0
+    # K/V row excepted). Measured 2-4 us a step faster in each of four runs of session 11 (2.828 vs 2.831 / 2.834,
+    # 2.832 vs 2.835 / 2.835, 2.814 vs 2.816 / 2.818, 2.829 vs 2.831 / 2.832 ms; step-trace-h200-s11-*.json)
+    att_prefetch: bool = True
     num_warps: int = 4  # 8 warps measured slower: 3.54 ms at one program an SM, 3.95-4.13 with registers capped for
     # two (spills; step-trace-h200-s9-warps.json)
     # GPU: the first tiles of a program's (items x tiles of K) sequence of a stage asked of L2 before it waits for
@@ -176,8 +167,6 @@ class StepKernelConfig:
         if self.split_down_v and self.down_v[1] % self.gate_up_u[0]:
             raise ValueError(f"split_down_v: gate/up U items of {self.gate_up_u[0]} rows must tile down V's "
                              f"{self.down_v[1]}-column blocks")
-        if not 0 <= self.att_ahead <= 2:
-            raise ValueError(f"att_ahead must be 0 (off), 1 (o V) or 2 (o V and o U), got {self.att_ahead}")
         if self.prefetch < 0:
             raise ValueError(f"prefetch must be >= 0 tiles, got {self.prefetch}")
         if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
@@ -247,73 +236,6 @@ def _prefetch_tile(w_ptr, rows, ok, K, k0, BLOCK_K: tl.constexpr):
                               is_pure=False, pack=1)
 
 
-@triton.jit(noinline=True)
-def _l2_ahead(ctr_ptr, rank, P, busy, prev, target, a_ptr, na, b_ptr, nb, CHUNK: tl.constexpr):
-    """A program of rank >= busy (one without an item in the stage about to run) waits for stage prev, then asks
-    L2 for its share of two weights, a (na elements) then b (nb; 0: none), split between the P - busy such
-    programs a chunk of CHUNK 128-byte lines at a time (`prefetch.global.L2`, GPU only)."""
-    if rank >= busy:
-        _wait(ctr_ptr, prev, target, True)
-        STEP: tl.constexpr = 1024 // a_ptr.dtype.element_ty.primitive_bitwidth  # elements a 128-byte line
-        ca = tl.cdiv(na, CHUNK * STEP)
-        cb = tl.cdiv(nb, CHUNK * STEP)
-        lines = tl.arange(0, CHUNK) * STEP
-        for c in range(rank - busy, ca + cb, P - busy):
-            in_a = c < ca
-            lo = tl.where(in_a, c, c - ca) * (CHUNK * STEP)
-            offs = tl.minimum(lo + lines, tl.where(in_a, na, nb) - 1)  # past the end: the last line again
-            base = tl.where(in_a, a_ptr, b_ptr)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [base + offs],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit(noinline=True)
-def _next_gemv(w_ptr, rank, P, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr):
-    """Ask L2 for this program's first TILES tiles of a _gemv_stage (items dealt by rank) that comes next."""
-    nk = tl.cdiv(K, BLOCK_K)
-    _l2_prefetch(w_ptr, rank, P, _mine(tl.cdiv(N, BLOCK_N), rank, P), nk, N, K, BLOCK_N, BLOCK_K, TILES)
-
-
-@triton.jit(noinline=True)
-def _next_gate_up(ug_ptr, uu_ptr, rank, P, N, rg, ru, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  RUNS: tl.constexpr):
-    """Ask L2 for this program's first gate and up tiles of _gate_up_stage (RUNS: items in contiguous runs)."""
-    n = tl.cdiv(N, BLOCK_N)
-    if RUNS:
-        q = n // P
-        first = rank * q + tl.minimum(rank, n - q * P)
-        mine = q + (rank < n - q * P).to(tl.int32)
-    else:
-        first = rank
-        mine = _mine(n, rank, P)
-    rows = first * BLOCK_N + tl.arange(0, BLOCK_N)
-    _prefetch_tile(ug_ptr, rows, (rows < N) & (mine > 0), rg, 0, BLOCK_K)
-    _prefetch_tile(uu_ptr, rows, (rows < N) & (mine > 0), ru, 0, BLOCK_K)
-
-
-@triton.jit(noinline=True)
-def _next_down_v(w_ptr, rank, P, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Ask L2 for this program's first tile of _down_v_blocks (items dealt from the last rank down, block 0 last)."""
-    nr = tl.cdiv(N, BLOCK_N)
-    nb = tl.cdiv(K, BLOCK_K)
-    me = P - 1 - rank
-    c = (me // nr + 1) % nb
-    rows = (me - (me // nr) * nr) * BLOCK_N + tl.arange(0, BLOCK_N)
-    _prefetch_tile(w_ptr, rows, (rows < N) & (me < nb * nr), K, c * BLOCK_K, BLOCK_K)
-
-
-@triton.jit(noinline=True)
-def _next_qkv_u(w_ptr, rank, P, off_q, off_k, off_v, rq, rk, rv, H: tl.constexpr, HKV: tl.constexpr,
-                HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Ask L2 for this program's first tile of _qkv_u_stage (both halves of its first item's head chunk)."""
-    NC: tl.constexpr = (HALF + BLOCK_D - 1) // BLOCK_D
-    u_ptr, r, t_off, head, offs_d, p = _qkv_item(rank, w_ptr, off_q, off_k, off_v, rq, rk, rv, H, HKV, BLOCK_D, NC)
-    rows = head * (2 * HALF) + offs_d
-    ok = (offs_d < HALF) & (rank < (H + 2 * HKV) * NC)
-    _prefetch_tile(u_ptr, rows, ok, r, 0, BLOCK_K)
-    _prefetch_tile(u_ptr, rows + HALF, ok, r, 0, BLOCK_K)
-
-
 @triton.jit
 def _position(j, nk, rank, P):
     """Step j of a program's pipelined loop over (its items x nk tiles of K): (the item, the tile, whether it is the
@@ -333,17 +255,14 @@ def _mine(n, rank, P):
 def _gemv_stage(ctr_ptr, rank, P, sid, prev, target, x_ptr, w_ptr, y_ptr, N, K, eps,
                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 STAGES: tl.constexpr, PREFETCH: tl.constexpr, X_ONCE: tl.constexpr = False,
-                WAIT_IN_LOOP: tl.constexpr = False, PARTS: tl.constexpr = 1, U_TILES: tl.constexpr = 0,
-                RES_EARLY: tl.constexpr = False):
+                WAIT_IN_LOOP: tl.constexpr = False, PARTS: tl.constexpr = 1, U_TILES: tl.constexpr = 0):
     """y[n] (+)= sum_k w[n, k] x[k] for n < N, BLOCK_N rows an item; RESIDUAL adds into y (each row one owner).
     One software-pipelined loop over (this program's items x tiles of K): the weight stream stays STAGES - 1
     tiles ahead across item boundaries, through shared memory, not registers. x was written by other programs
     of this launch: read from L2 (.cg). PARTS > 1 (not with X_ONCE): x is the sum of PARTS vectors of K, one after
     the other (the column blocks' partials of down V), added as they are read. U_TILES > 0 (K <= U_TILES *
     BLOCK_K <= 4 * BLOCK_K, the U stages): x read once a stage into U_TILES register tiles, a step using its tile's,
-    and with WAIT_IN_LOOP the wait inside the loop as for X_ONCE. RES_EARLY (with RESIDUAL and a wait inside the
-    loop): the first item's rows of y read before the wait (their last writer completed stages ago), later items' at
-    their last tile."""
+    and with WAIT_IN_LOOP the wait inside the loop as for X_ONCE."""
     nk = tl.cdiv(K, BLOCK_K)
     mine = _mine(tl.cdiv(N, BLOCK_N), rank, P)
     EARLY: tl.constexpr = (X_ONCE or U_TILES > 0) and WAIT_IN_LOOP
@@ -364,10 +283,6 @@ def _gemv_stage(ctr_ptr, rank, P, sid, prev, target, x_ptr, w_ptr, y_ptr, N, K, 
         x1, inv = _read_once(x_ptr, offs_x, K, eps, NORM)
     if U_TILES > 0 and not EARLY:
         x1, x2, x3, x4 = _read_tiles(x_ptr, K, PARTS, BLOCK_K, U_TILES)
-    r0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if RESIDUAL and RES_EARLY and EARLY:  # the first item's residual rows, asked for before the wait
-        offs_r = rank * BLOCK_N + tl.arange(0, BLOCK_N)
-        r0 = tl.load(y_ptr + offs_r, mask=offs_r < N, other=0.0, cache_modifier=".cg").to(tl.float32)
     for j in tl.range(0, mine * nk, num_stages=STAGES):
         if EARLY:  # the wait inside the loop: the pipeline's prologue (its first weight tiles into shared
             # memory) is issued before it, while the previous stage still runs; x is read after it, once
@@ -405,12 +320,7 @@ def _gemv_stage(ctr_ptr, rank, P, sid, prev, target, x_ptr, w_ptr, y_ptr, N, K, 
                 y = y / tl.sqrt(ss / K + eps)
             if RESIDUAL:  # (asked for at the item's first tile instead: o U 183 -> 194 us,
                 # step-trace-h200-s8-early.json)
-                if RES_EARLY and EARLY:
-                    later = (i + tl.zeros((BLOCK_N,), dtype=tl.int32)) != rank  # (full-tensor mask: interpreter)
-                    y += tl.where(later, tl.load(y_ptr + offs_n, mask=mask_n & later, other=0.0,
-                                                 cache_modifier=".cg").to(tl.float32), r0)
-                else:
-                    y += tl.load(y_ptr + offs_n, mask=mask_n, other=0.0, cache_modifier=".cg").to(tl.float32)
+                y += tl.load(y_ptr + offs_n, mask=mask_n, other=0.0, cache_modifier=".cg").to(tl.float32)
             tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
         acc = tl.where(last, 0.0, acc)
         ss = tl.where(last, 0.0, ss)
@@ -778,11 +688,10 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
                  BK_GATE_UP_U: tl.constexpr, BN_DOWN_V: tl.constexpr, BK_DOWN_V: tl.constexpr,
                  BN_DOWN_U: tl.constexpr, BK_DOWN_U: tl.constexpr, BN_HEAD: tl.constexpr, BK_HEAD: tl.constexpr,
                  STAGES: tl.constexpr, STAGES_U: tl.constexpr, STAGES_GU: tl.constexpr, STAGES_DV: tl.constexpr,
-                 STAGES_UO: tl.constexpr,
                  XO_HIDDEN: tl.constexpr, WIL: tl.constexpr,
                  XO_INTER: tl.constexpr, SPLIT_DV: tl.constexpr, DV_ATOMIC: tl.constexpr, DU_PARTS: tl.constexpr,
                  UT_O: tl.constexpr, UT_D: tl.constexpr, UT_GU: tl.constexpr, UT_QKV: tl.constexpr,
-                 PREFETCH_ATT: tl.constexpr, AHEAD: tl.constexpr, RES_EARLY: tl.constexpr, NEXT: tl.constexpr,
+                 PREFETCH_ATT: tl.constexpr,
                  PREFETCH: tl.constexpr, TRACE: tl.constexpr):
     D: tl.constexpr = 2 * HALF
     NS = L * SLOTS + 1  # stages: SLOTS a layer, then the head
@@ -800,9 +709,6 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
         vc = vc_ptr + lay * stride_kl
         # x (normed, the norm weight folded into Vqkv) -> t = Vqkv x; layer 0 waits for nothing
         _stamp(trace_ptr, rank, s0, NS, TRACE)
-        if NEXT > 0:  # (NEXT: each stage starts by asking L2 for the next stage's first tiles)
-            _next_qkv_u(w_ptr, rank, P, _offset(mp, 1), _offset(mp, 2), _offset(mp, 3), rq, rk, rv, H, HKV, HALF,
-                        BN_QKV_U, BK_QKV_U)
         _gemv_stage(ctr_ptr, rank, P, s0, tl.maximum(s0 - 1, 0), tl.where(layer == 0, 0, P), x_ptr,
                     _weight(w_ptr, mp, 0), t_ptr, rq + rk + rv, hidden, eps, True, False, BN_QKV_V, BK_QKV_V,
                     STAGES, PREFETCH, XO_HIDDEN, WIL)
@@ -815,39 +721,23 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
             # previous layer's down U, its last reader, is then complete too
             _zero(ctr_ptr, s0, rank, P, td_ptr, rd, 16)
         _stamp(trace_ptr, rank, s0 + 2, NS, TRACE)
-        if NEXT > 0:
-            _next_gemv(_weight(w_ptr, mp, 4), rank, P, ro, H * D, BN_O_V, BK_O_V, NEXT)
-        if AHEAD > 0:  # the programs without an attention item stream o V (and o U) into L2 meanwhile
-            _l2_ahead(ctr_ptr, rank, P, HKV * NUM_SPLITS, s0 + 1, P, _weight(w_ptr, mp, 4), ro * H * D,
-                      _weight(w_ptr, mp, 5), hidden * ro if AHEAD > 1 else 0, 512)
         _attention_stage(ctr_ptr, rank, P, s0 + 2, s0 + 1, P, q_ptr, kc, vc, stride_ks, stride_kh, pos + 1, a_ptr,
                          mid_o_ptr, mid_lse_ptr, ctr_ptr + (L * SLOTS + 2) * PAD + layer * HKV, qk_scale, H // HKV,
                          HKV, D, D_PAD, BLOCK_H, ATT_BLOCK_N, NUM_SPLITS, SPLITS_PAD, DOT_PREC, PREFETCH_ATT)
         _stamp(trace_ptr, rank, s0 + 4, NS, TRACE)
-        if NEXT > 0:
-            _next_gemv(_weight(w_ptr, mp, 5), rank, P, hidden, ro, BN_O_U, BK_O_U, NEXT)
         _gemv_stage(ctr_ptr, rank, P, s0 + 4, s0 + 2, P, a_ptr, _weight(w_ptr, mp, 4), t_ptr, ro, H * D, eps, False,
                     False, BN_O_V, BK_O_V, STAGES, PREFETCH, XO_HIDDEN, WIL)
         _stamp(trace_ptr, rank, s0 + 5, NS, TRACE)
-        if NEXT > 0:
-            _next_gemv(_weight(w_ptr, mp, 6), rank, P, rg + ru, hidden, BN_GATE_UP_V, BK_GATE_UP_V, NEXT)
         _gemv_stage(ctr_ptr, rank, P, s0 + 5, s0 + 4, P, t_ptr, _weight(w_ptr, mp, 5), x_ptr, hidden, ro, eps, False,
-                    True, BN_O_U, BK_O_U, STAGES_UO, PREFETCH, WAIT_IN_LOOP=WIL, U_TILES=UT_O, RES_EARLY=RES_EARLY)
+                    True, BN_O_U, BK_O_U, STAGES_U, PREFETCH, WAIT_IN_LOOP=WIL, U_TILES=UT_O)
         _stamp(trace_ptr, rank, s0 + 6, NS, TRACE)
-        if NEXT > 0:
-            _next_gate_up(_weight(w_ptr, mp, 7), _weight(w_ptr, mp, 8), rank, P, inter, rg, ru, BN_GATE_UP_U,
-                          BK_GATE_UP_U, SPLIT_DV)
         _gemv_stage(ctr_ptr, rank, P, s0 + 6, s0 + 5, P, x_ptr, _weight(w_ptr, mp, 6), t_ptr, rg + ru, hidden, eps,
                     True, False, BN_GATE_UP_V, BK_GATE_UP_V, STAGES, PREFETCH, XO_HIDDEN, WIL)
         _stamp(trace_ptr, rank, s0 + 7, NS, TRACE)
-        if NEXT > 0 and SPLIT_DV:
-            _next_down_v(_weight(w_ptr, mp, 9), rank, P, rd, inter, BN_DOWN_V, BK_DOWN_V)
         _gate_up_stage(ctr_ptr, rank, P, s0 + 7, s0 + 6, P, t_ptr, _weight(w_ptr, mp, 7), _weight(w_ptr, mp, 8), m_ptr,
                        inter, rg, ru, blk, BN_GATE_UP_U, BK_GATE_UP_U, STAGES_GU, PREFETCH,
                        BK_DOWN_V if SPLIT_DV else 0, UT_GU)
         _stamp(trace_ptr, rank, s0 + 8, NS, TRACE)
-        if NEXT > 0:
-            _next_gemv(_weight(w_ptr, mp, 10), rank, P, hidden, rd, BN_DOWN_U, BK_DOWN_U, NEXT)
         if SPLIT_DV:
             _down_v_blocks(ctr_ptr, blk, rank, P, s0 + 8, m_ptr, _weight(w_ptr, mp, 9), td_ptr, rd, inter, BN_GATE_UP_U,
                            BN_DOWN_V, BK_DOWN_V, STAGES_DV, DV_ATOMIC)
@@ -857,13 +747,8 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
                         False, BN_DOWN_V, BK_DOWN_V, STAGES_DV, PREFETCH, XO_INTER)
             td = t_ptr
         _stamp(trace_ptr, rank, s0 + 9, NS, TRACE)
-        if NEXT > 0 and layer + 1 < L:  # the next layer's q/k/v V
-            mn = mp + 18
-            _next_gemv(_weight(w_ptr, mn, 0), rank, P, _rank(mn, 11) + _rank(mn, 12) + _rank(mn, 13), hidden,
-                       BN_QKV_V, BK_QKV_V, NEXT)
         _gemv_stage(ctr_ptr, rank, P, s0 + 9, s0 + 8, P, td, _weight(w_ptr, mp, 10), x_ptr, hidden, rd, eps, False,
-                    True, BN_DOWN_U, BK_DOWN_U, STAGES_UO, PREFETCH, WAIT_IN_LOOP=WIL, PARTS=DU_PARTS, U_TILES=UT_D,
-                    RES_EARLY=RES_EARLY)
+                    True, BN_DOWN_U, BK_DOWN_U, STAGES_U, PREFETCH, WAIT_IN_LOOP=WIL, PARTS=DU_PARTS, U_TILES=UT_D)
     # final norm (folded into the head's columns) + LM head, fp32 logits
     _stamp(trace_ptr, rank, NS - 1, NS, TRACE)
     _gemv_stage(ctr_ptr, rank, P, NS - 1, NS - 2, P, x_ptr, head_ptr, logits_ptr, vocab, hidden, eps, True, False,
@@ -952,14 +837,12 @@ class StepKernel:
             ATT_BLOCK_N=k.att_block_n if on_gpu else 16, DOT_PREC="ieee" if kc.dtype == torch.float32 else "tf32",
             **tiles, STAGES=k.stages if on_gpu else 1,
             STAGES_U=k.u_stages if on_gpu else 1, STAGES_GU=k.gu_stages if on_gpu else 1,
-            STAGES_UO=(k.uo_stages or k.u_stages) if on_gpu else 1,
             STAGES_DV=k.dv_stages if on_gpu else 1,
             XO_HIDDEN=k.x_once and max(cfg.hidden_size, H * D) <= min(tiles[f"BK_{n}"] for n in XO_STAGES),
             XO_INTER=k.x_once and cfg.intermediate_size <= tiles["BK_DOWN_V"], WIL=k.wait_in_loop,
             SPLIT_DV=k.split_down_v, DV_ATOMIC=k.down_v_atomics, DU_PARTS=self.du_parts,
             **self.reg_tiles,
-            PREFETCH_ATT=k.att_prefetch and on_gpu, AHEAD=k.att_ahead if on_gpu else 0,
-            RES_EARLY=k.resid_early, NEXT=k.prefetch_next if on_gpu else 0,
+            PREFETCH_ATT=k.att_prefetch and on_gpu,
             PREFETCH=k.prefetch if on_gpu else 0, TRACE=k.trace and on_gpu,
             num_warps=k.num_warps if on_gpu else 1, **({"maxnreg": k.maxnreg} if on_gpu and k.maxnreg else {}))
         if on_gpu and self.resident is None:

@@ -177,17 +177,16 @@ def test_step_greedy_feeds_its_own_argmax(backend):
         FastDecoder(model, DecodeConfig(batch_size=B, max_seq_len=40, graph="none")).step_greedy()
 
 
-@pytest.mark.parametrize("kind,splits,split_dv,atomics,u_once,gu_once,qkv_once,resid_early", [
-    ("uneven", 1, True, False, False, False, False, False), ("shared", 3, True, False, True, True, True, True),
-    ("uneven", 3, True, True, True, False, False, True), ("uneven", 3, False, False, False, True, False, False),
-    ("uneven", 1, True, False, True, True, True, False)])
-def test_one_launch_step_matches_eager(kind, splits, split_dv, atomics, u_once, gu_once, qkv_once, resid_early):
+@pytest.mark.parametrize("kind,splits,split_dv,atomics,u_once,gu_once,qkv_once", [
+    ("uneven", 1, True, False, False, False, False), ("shared", 3, True, False, True, True, True),
+    ("uneven", 3, True, True, True, False, False), ("uneven", 3, False, False, False, True, False),
+    ("uneven", 1, True, False, True, True, True)])
+def test_one_launch_step_matches_eager(kind, splits, split_dv, atomics, u_once, gu_once, qkv_once):
     """one_launch=True (the whole B = 1 step in one persistent kernel, stages ordered by device counters) gives the
     eager logits step after step; with several attention splits (some empty) the last split of each kv head merges
     them; down V by column blocks after gate/up U's per-block counters (split_down_v, the default: a partial a
     block summed by down U, or atomic adds into one vector) or as one stage; o U and down U reading their input
-    once into register tiles (u_once), gate/up U and q/k/v U too (gu_once, qkv_once); o U's and down U's first
-    residual rows read before their wait (resid_early)."""
+    once into register tiles (u_once), gate/up U and q/k/v U too (gu_once, qkv_once)."""
     from dataclasses import astuple
 
     from rankserve.kernels.step_kernel import SLOTS, StepKernelConfig
@@ -200,8 +199,7 @@ def test_one_launch_step_matches_eager(kind, splits, split_dv, atomics, u_once, 
                                               one_launch=True,
                                               one_launch_tiles=astuple(StepKernelConfig(
                                                   split_down_v=split_dv, down_v_atomics=atomics, u_once=u_once,
-                                                  gu_once=gu_once, qkv_once=qkv_once,
-                                                  resid_early=resid_early))))
+                                                  gu_once=gu_once, qkv_once=qkv_once))))
         got = [dec.prefill(prompt)] + [dec.step(t).clone() for t in steps]
     _assert_steps_close(got, ref)
     if u_once:  # o U's and down U's rank vectors in 2-3 register tiles of 4 (the interpreter's width with u_once)
