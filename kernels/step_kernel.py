@@ -44,13 +44,15 @@ different ranks (Dobi-SVD) or shared bases packed per layer (Basis Sharing); ran
 the compiler as multiples of 16 (checked at build), without which every weight load is a scalar 2-byte load.
 
 Measured on the H200 (decode.md, LLaMA-7B shape, bf16, B = 1, graph replay, greedy argmax in the graph):
-svd-llm keep 0.6 2.850 vs 3.225 ms/token for the per-kernel step, dobi 2.986 vs 3.277, basis-sharing 3.350 vs 3.619,
-prompt 2048 3.122 vs 3.476 (session 10, decode-h200-s10.json). The V stages read x once and wait inside their
+svd-llm keep 0.6 2.822 vs 3.222 ms/token for the per-kernel step, dobi 2.943 vs 3.273, basis-sharing 3.308 vs 3.610,
+prompt 2048 3.073 vs 3.473 (session 11, decode-h200-s11.json). The V stages read x once and wait inside their
 pipelined loop, so its prologue's weight tiles are asked for before the wait (x_once, wait_in_loop); down V goes by
 column blocks as gate/up U completes them (split_down_v); o U and down U read their input once into registers and
-wait in their loop too (u_once, added after that run: 2.844 -> 2.831 ms a step). Fusing each U map with the next
-V map by row blocks (6 stages a layer instead of 9) was measured slower (3.40 ms at best) and reverted: a stage's time
-follows its programs' pipelined steps more than its barrier (decode.md); so were deeper pipelines and 8 warps.
+wait in their loop too (u_once). Fusing each U map with the next V map by row blocks (6 stages a layer instead of 9)
+was measured slower (3.40 ms at best) and reverted: a stage's time follows its programs' pipelined steps more than
+its barrier (decode.md); so were deeper pipelines, 8 warps and asking L2 for later stages' weights ahead. What the
+counters cost, measured by patching them out (results then wrong): without the release fences 2.746 vs 2.835 ms,
+without any wait 2.609 (decode.md, session 11).
 Where the time goes, stage by stage: bench/step_trace.py (StepKernelConfig.trace).
 """
 

@@ -66,7 +66,7 @@ class DecodeConfig:
     greedy: bool = False
     # B = 1: the whole step in one persistent launch (kernels/step_kernel.py: stages ordered by counters on the
     # device instead of kernel boundaries). None = the measured winner: on at B = 1 on a Hopper-or-newer GPU when
-    # every layer is factorized with ranks padded to 16 (2.850 vs 3.225 ms/token on the H200, decode.md), else off
+    # every layer is factorized with ranks padded to 16 (2.822 vs 3.222 ms/token on the H200, decode.md), else off
     one_launch: bool | None = None
     # its StepKernelConfig fields in declaration order (kernels/step_kernel.py: programs per SM, item rows and
     # widths, pipeline depths, warps, L2-prefetched tiles, ...); None = the defaults
