@@ -1,0 +1,75 @@
+"""What the one-launch step's stage synchronization costs: timings with it weakened (GPU diagnostics).
+
+The persistent step kernel (kernels/step_kernel.py) orders its stages with done counters: a program leaving a stage
+runs a CTA barrier and a releasing add (`_leave`), a program entering one polls with acquiring reads until the
+previous stage's counter is full (`_wait`). This probe swaps those two device functions for weaker ones before the
+kernel is first compiled, then times and traces the default config as bench/step_trace does:
+
+    relaxed   _leave is a relaxed add, no barrier, no fence: a counter can fill before the data it stands for lands
+              (races: the logits may differ run to run), so the gap to the default is what the fences cost
+    nowait    _wait returns at once: no ordering at all (wrong logits); what the weight stream takes on its own,
+              the bound on what any synchronization scheme could recover
+
+The results are wrong by design: only the timings mean something. The greedy and reproducibility checks of
+step_trace still run and say how wrong.
+
+Usage: python -m rankserve.bench.sync_probe --mode relaxed --out bench/results/step-trace-h200-probe-relaxed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+
+import triton
+import triton.language as tl
+
+from rankserve.kernels import step_kernel
+
+PAD = tl.constexpr(32)  # the counters' spacing (int32s a 128-byte line), as in step_kernel
+
+
+@triton.jit
+def _leave_relaxed(ctr_ptr, sid):
+    """Count this program done with stage sid without a barrier or a release: nothing orders its stores first."""
+    tl.atomic_add(ctr_ptr + (sid + 1) * PAD, 1, sem="relaxed")
+
+
+@triton.jit
+def _wait_never(ctr_ptr, prev, target, first):
+    """Wait for nothing."""
+    pass
+
+
+PROBES = {"relaxed": ("_leave", _leave_relaxed), "nowait": ("_wait", _wait_never)}
+
+
+@contextlib.contextmanager
+def weakened(mode: str):
+    """step_kernel with one sync function swapped (before its first compile in this process), restored after."""
+    if mode not in PROBES:
+        raise ValueError(f"sync probe mode must be one of {sorted(PROBES)}, got {mode!r}")
+    name, fn = PROBES[mode]
+    orig = getattr(step_kernel, name)
+    setattr(step_kernel, name, fn)  # the stage functions look it up in the module's globals when compiled
+    try:
+        yield
+    finally:
+        setattr(step_kernel, name, orig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m rankserve.bench.sync_probe", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mode", required=True, choices=sorted(PROBES))
+    ap.add_argument("--out", default="bench/results/step-trace-probe.json")
+    ap.add_argument("--family", default="svd-llm", choices=["svd-llm", "dobi", "basis-sharing"])
+    ap.add_argument("--prompt", type=int, default=128)
+    args = ap.parse_args(argv)
+    from rankserve.bench import step_trace
+    with weakened(args.mode):
+        return step_trace.main(["--out", args.out, "--family", args.family, "--prompt", str(args.prompt)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
