@@ -25,7 +25,8 @@ def test_probes_swap_the_sync_functions_and_restore_them():
     model = tiny_model(8)
     ref = _one_launch_logits(model)
     leave, wait = step_kernel._leave, step_kernel._wait
-    for mode, name, fn in (("relaxed", "_leave", sync_probe._leave_relaxed), ("nowait", "_wait", sync_probe._wait_never)):
+    for mode, name, fn in (("relaxed", "_leave", sync_probe._leave_relaxed),
+                           ("nowait", "_wait", sync_probe._wait_never)):
         with sync_probe.weakened(mode):
             assert getattr(step_kernel, name) is fn
             got = _one_launch_logits(model)
