@@ -51,8 +51,8 @@ column blocks as gate/up U completes them (split_down_v); o U and down U read th
 wait in their loop too (u_once). Fusing each U map with the next V map by row blocks (6 stages a layer instead of 9)
 was measured slower (3.40 ms at best) and reverted: a stage's time follows its programs' pipelined steps more than
 its barrier (decode.md); so were deeper pipelines, 8 warps and asking L2 for later stages' weights ahead. What the
-counters cost, measured by patching them out (results then wrong): without the release fences 2.746 vs 2.835 ms,
-without any wait 2.609 (decode.md, session 11).
+counters cost, measured with them weakened (bench/sync_probe.py; results then wrong): without the release fences
+2.740 vs 2.821 ms, without any wait 2.599 (decode.md, session 11).
 Where the time goes, stage by stage: bench/step_trace.py (StepKernelConfig.trace).
 """
 
