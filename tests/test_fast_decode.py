@@ -232,6 +232,34 @@ def test_one_launch_step_matches_eager(kind, splits, split_dv, atomics, u_once, 
         assert ctr[k.blk_off:].numel() == 0
 
 
+def test_one_launch_step_with_the_gpu_tiles(monkeypatch):
+    """The one-launch step with the tile widths it runs with on the GPU (512 / 1024 / 4096 columns; the interpreter
+    normally gets small ones), at ranks like LLaMA-7B's at keep 0.8: o U's rank vector in 4 register tiles of 512
+    with a partial last one, two-step gate/up U and down U, one partial column block of down V, 3 attention splits.
+    One program under the interpreter (~30 s): the item and tile arithmetic, not the GPU's ordering."""
+    from rankserve.kernels.step_kernel import StepKernelConfig
+    small = StepKernelConfig.constexprs
+    monkeypatch.setattr(StepKernelConfig, "constexprs", lambda self, on_gpu, half: small(self, True, half))
+    cfg = ModelConfig(vocab_size=64, hidden_size=2048, intermediate_size=2816, num_hidden_layers=1,
+                      num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=64)
+    ranks = {"q": 1648, "k": 1648, "v": 1648, "o": 1648, "gate": 1840, "up": 1840, "down": 2000}
+    torch.manual_seed(0)
+    model = Transformer(cfg, {proj_name(0, p): ranks[p] for p in PROJS}).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.02)
+    prompt = torch.randint(0, cfg.vocab_size, (1, 5))
+    step = torch.tensor([3])
+    with torch.no_grad():
+        cache = KVCache(1, 1, 40, cfg.num_key_value_heads, cfg.head_dim)
+        ref = [model(prompt, cache, last_only=True), model(step[:, None], cache, last_only=True)]
+        dec = FastDecoder(model, DecodeConfig(batch_size=1, max_seq_len=40, graph="none", one_launch=True,
+                                              num_splits=3))
+        got = [dec.prefill(prompt), dec.step(step).clone()]
+    assert dec.step_kernel.reg_tiles["UT_O"] == 4 and dec.step_kernel.reg_tiles["UT_D"] == 2
+    _assert_steps_close([g.reshape(r.shape) for g, r in zip(got, ref)], ref)
+
+
 def test_one_launch_refuses_what_it_cannot_run():
     from rankserve.kernels.step_kernel import StepKernelConfig, check_aligned
     with pytest.raises(ValueError, match="one_launch runs B = 1"):
