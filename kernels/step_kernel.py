@@ -30,8 +30,7 @@ around L1: `.cg` loads, and in the pipelined loops 16-byte `cp.async.cg` copies.
 `cp.async.ca` for narrower per-thread vectors, which read stale lines (measured: wrong logits with 512-wide bf16
 tiles at 4 warps), hence StepKernelConfig's minimum tile widths; tests/test_kernels_ptx.py checks the compiled
 kernel has no `cp.async.ca`. Every stage reads what the previous one wrote; a buffer reused by a later stage
-(t, a, down V's partials td) is rewritten only after a stage in between completed, so all its readers are done
-(with down_v_atomics, td is zeroed once the next layer's q/k/v V is complete: its reader, down U, is done by then).
+(t, a, down V's partials td) is rewritten only after a stage in between completed, so all its readers are done.
 
 Code. Each stage is a function call (`noinline`), not inlined into one ~18K-instruction kernel: the V stages with
 the same constants (q/k/v V, gate/up V, the head) share one body, and each stage's code is allocated registers on
@@ -115,12 +114,9 @@ class StepKernelConfig:
     # counters instead of the stage barrier; _down_v_blocks). Measured with atomic adds into one output: 2.950 ->
     # 2.909 ms a step, twice in one run (down V's span 408 -> 365 us; step-trace-h200-s9-splitdv2.json)
     split_down_v: bool = True
-    # split_down_v's column blocks: each stores its partial of down V's output and down U sums the partials as it
-    # reads them (False: no atomics, no zeroing, the step bitwise reproducible), or all add into one fp32 vector with
-    # atomics (True; the sum's order, hence its rounding, varies run to run). Measured: partials 2.846 / 2.858 ms vs
-    # atomics 2.898 / 2.903, alternated in one run (down V 358 -> 335 us, q/k/v U, which the zeroing followed, 436 ->
-    # 395, down U 228 -> 242; step-trace-h200-s10-det.json)
-    down_v_atomics: bool = False
+    # (split_down_v's column blocks each store their partial of down V's output, summed by down U as it reads them:
+    # no atomics, the step bitwise reproducible. Atomic adds into one vector instead were measured slower, 2.898 /
+    # 2.903 vs 2.846 / 2.858 ms, step-trace-h200-s10-det.json; removed in session 11)
     # o U and down U read their rank vector once a stage into registers (up to 4 tiles of their width; larger ranks
     # read it a step) and, with wait_in_loop, wait inside their loop as the V stages do, so their first weight tiles
     # are on their way before the wait. Measured (svd-llm 0.6): 2.844 / 2.857 -> 2.831 / 2.834 ms a step, alternated
@@ -128,13 +124,8 @@ class StepKernelConfig:
     # stragglers; step-trace-h200-s10-uonce.json). Session 9's inlined kernel lost with the same change (2.946 ->
     # 2.967): every stage slowed as the code grew (see Code in the module docstring)
     u_once: bool = True
-    # gate/up U the same way (its two inputs in up to 2 register tiles each, the wait inside its loop). Measured no
-    # gain (2.828 vs 2.831 / 2.834 ms: gate/up U 774 -> 717 us, gate/up V 284 -> 340 as its stragglers now compete
-    # with the early tiles; step-trace-h200-s11-once.json): off
-    gu_once: bool = False
-    # q/k/v U the same way (its q, k and v slices of t in up to 3 register tiles each). Measured no gain (2.839 ms,
-    # same run): off
-    qkv_once: bool = False
+    # (the same for gate/up U and q/k/v U was measured no gain, 2.828 / 2.839 vs 2.831 / 2.834 ms,
+    # step-trace-h200-s11-once.json; removed, code in commit 68d6540)
     # GPU: the attention stage asks L2 for its first item's cached keys and values before its wait (the step's own
     # K/V row excepted). Measured 2-4 us a step faster in each of four runs of session 11 (2.828 vs 2.831 / 2.834,
     # 2.832 vs 2.835 / 2.835, 2.814 vs 2.816 / 2.818, 2.829 vs 2.831 / 2.832 ms; step-trace-h200-s11-*.json)
@@ -184,10 +175,6 @@ class StepKernelConfig:
                          gate_up_u=(16, 64), down_v=(4, 64), down_u=(8, 64), head=(16, 64))
             if self.u_once:  # 4-wide tiles: the test ranks (<= 16) take several register tiles
                 tiles.update(o_u=(16, 4), down_u=(8, 4))
-            if self.gu_once:  # 8-wide: gate's rank in two tiles
-                tiles.update(gate_up_u=(16, 8))
-            if self.qkv_once:  # 4-wide: the q/k/v ranks (<= 12) in up to three tiles
-                tiles.update(qkv_u=(16, 4))
         out = {}
         for n, (rows, width) in tiles.items():
             if n == "qkv_u":  # RoPE chunks: at most half a head's dims
@@ -370,14 +357,11 @@ def _read_once(x_ptr, offs_x, K, eps, NORM: tl.constexpr):
 @triton.jit(noinline=True)
 def _gate_up_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, ug_ptr, uu_ptr, m_ptr, N, rg, ru, blk_ptr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-                   BK_BLK: tl.constexpr = 0, T_TILES: tl.constexpr = 0):
+                   BK_BLK: tl.constexpr = 0):
     """m[n] = silu(Ug[n] . t[:rg]) * (Uu[n] . t[rg:]) for n < N (pipelined as _gemv_stage). BK_BLK > 0: m is read
     by blocks of BK_BLK rows (_down_v_blocks): each program takes a contiguous run of items (the first n mod P programs
     one more) and, after its loop, adds its items of each block to the block's counter (blk_ptr, PAD apart,
-    release). Counting inside the loop (a barrier and an atomic at block changes) stopped triton pipelining it.
-    T_TILES in 1..2 (rg, ru <= T_TILES * BLOCK_K): t's two halves read once into T_TILES register tiles each, and
-    the wait inside the loop at its first step (as _gemv_stage's U_TILES), so the prologue's weight copies go out
-    before it."""
+    release). Counting inside the loop (a barrier and an atomic at block changes) stopped triton pipelining it."""
     nk = tl.cdiv(tl.maximum(rg, ru), BLOCK_K)
     n = tl.cdiv(N, BLOCK_N)
     if BK_BLK > 0:
@@ -387,27 +371,17 @@ def _gate_up_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, ug_ptr, uu_ptr, m
     else:
         first = rank
         mine = _mine(n, rank, P)
-    if PREFETCH > 0 and BK_BLK == 0 and T_TILES == 0:
+    if PREFETCH > 0 and BK_BLK == 0:
         _l2_prefetch(ug_ptr, rank, P, mine, nk, N, rg, BLOCK_N, BLOCK_K, PREFETCH)
         _l2_prefetch(uu_ptr, rank, P, mine, nk, N, ru, BLOCK_N, BLOCK_K, PREFETCH)
-    elif PREFETCH > 0 and T_TILES == 0:  # the first tile of the run
+    elif PREFETCH > 0:  # the first tile of the run
         rows = first * BLOCK_N + tl.arange(0, BLOCK_N)
         _prefetch_tile(ug_ptr, rows, (rows < N) & (mine > 0), rg, 0, BLOCK_K)
         _prefetch_tile(uu_ptr, rows, (rows < N) & (mine > 0), ru, 0, BLOCK_K)
-    if T_TILES == 0:
-        _wait(ctr_ptr, prev, target, mine > 0)
+    _wait(ctr_ptr, prev, target, mine > 0)
     g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     u = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    g1 = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    g2 = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    u1 = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    u2 = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for j in tl.range(0, mine * nk, num_stages=STAGES):
-        if T_TILES > 0:  # the wait inside the loop, then t read once (see the docstring)
-            if j == 0:
-                _wait(ctr_ptr, prev, target, True)
-                g1, g2, _, _ = _read_tiles(t_ptr, rg, 1, BLOCK_K, T_TILES)  # T_TILES <= 2
-                u1, u2, _, _ = _read_tiles(t_ptr + rg, ru, 1, BLOCK_K, T_TILES)
         if BK_BLK > 0:
             it = j // nk
             kc = j - it * nk
@@ -422,12 +396,8 @@ def _gate_up_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, ug_ptr, uu_ptr, m
                      other=0.0, eviction_policy="evict_first")
         wu = tl.load(uu_ptr + offs_n[:, None] * ru + offs_k[None, :], mask=mask_n[:, None] & (offs_k < ru)[None, :],
                      other=0.0, eviction_policy="evict_first")
-        if T_TILES > 0:
-            tg = tl.where(kc == 0, g1, g2)
-            tu = tl.where(kc == 0, u1, u2)
-        else:
-            tg = tl.load(t_ptr + offs_k, mask=offs_k < rg, other=0.0, cache_modifier=".cg")
-            tu = tl.load(t_ptr + rg + offs_k, mask=offs_k < ru, other=0.0, cache_modifier=".cg")
+        tg = tl.load(t_ptr + offs_k, mask=offs_k < rg, other=0.0, cache_modifier=".cg")
+        tu = tl.load(t_ptr + rg + offs_k, mask=offs_k < ru, other=0.0, cache_modifier=".cg")
         g += tl.sum(wg.to(tl.float32) * tg[None, :], axis=1)
         u += tl.sum(wu.to(tl.float32) * tu[None, :], axis=1)
         if last:
@@ -446,10 +416,10 @@ def _gate_up_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, ug_ptr, uu_ptr, m
 
 @triton.jit(noinline=True)
 def _down_v_blocks(ctr_ptr, blk_ptr, rank, P, sid, m_ptr, w_ptr, td_ptr, N, K, BN_GU: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, ATOMIC: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """td[c * N + n] = sum_k w[n, k] m[k] over the columns k of block c (BLOCK_K of them), for n < N, by items
-    (block c, BLOCK_N rows), one step an item: each block's partial stored apart, summed by down U as it reads them;
-    with ATOMIC, td[n] += the same with fp32 atomic adds (td zeroed by _zero earlier in the layer). No stage wait:
+    (block c, BLOCK_N rows), one step an item: each block's partial stored apart, summed by down U as it reads them
+    (each item has one owner: plain stores, no atomics, the sum's order fixed). No stage wait:
     before its first item of block c a program waits until gate/up U's items of that block are all counted
     (blk_ptr[c * PAD], acquire), so a program done with gate/up U works on the blocks already complete while the
     stage's stragglers finish the last one; the pipelined weight stream runs ahead across those waits. Blocks are
@@ -479,59 +449,34 @@ def _down_v_blocks(ctr_ptr, blk_ptr, rank, P, sid, m_ptr, w_ptr, td_ptr, N, K, B
         mask_n = offs_n < N
         w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :],
                     other=0.0, eviction_policy="evict_first")
-        part = tl.sum(w.to(tl.float32) * x1[None, :], axis=1)
-        if ATOMIC:
-            tl.atomic_add(td_ptr + offs_n, part, mask=mask_n, sem="relaxed")
-        else:  # each (block, rows) item has one owner: a plain store
-            tl.store(td_ptr + c * N + offs_n, part, mask=mask_n)
+        tl.store(td_ptr + c * N + offs_n, tl.sum(w.to(tl.float32) * x1[None, :], axis=1), mask=mask_n)
     _leave(ctr_ptr, sid)
-
-
-@triton.jit
-def _zero(ctr_ptr, after, rank, P, y_ptr, n, BLOCK: tl.constexpr):
-    """y[:n] = 0, BLOCK elements at a time dealt over the programs, once stage `after` is complete."""
-    if rank * BLOCK < n:
-        _wait(ctr_ptr, after, P, True)
-        for lo in range(rank * BLOCK, n, P * BLOCK):
-            offs = lo + tl.arange(0, BLOCK)
-            tl.store(y_ptr + offs, tl.zeros((BLOCK,), dtype=y_ptr.dtype.element_ty), mask=offs < n)
 
 
 @triton.jit(noinline=True)
 def _qkv_u_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, w_ptr, off_q, off_k, off_v, rq, rk, rv,
                  cos_ptr, sin_ptr, pos, q_ptr, kc_ptr, vc_ptr, stride_ks, stride_kh,
                  H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, T_TILES: tl.constexpr = 0):
+                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr):
     """Item (head p of q|k|v, chunk of BLOCK_D dims of each half): rows (d, d + HALF) of that head from its U and
     its slice of t, RoPE on q and k at position pos, q stored, k and v written into the cache at pos (kc/vc: this
-    layer's, row 0). Pipelined as _gemv_stage over the largest of the three ranks (masked beyond each's own).
-    T_TILES in 1..3 (every rank <= T_TILES * BLOCK_K): t's q, k and v slices read once into T_TILES register tiles
-    each, and the wait inside the loop at its first step (as _gemv_stage's U_TILES)."""
+    layer's, row 0). Pipelined as _gemv_stage over the largest of the three ranks (masked beyond each's own)."""
     NC: tl.constexpr = (HALF + BLOCK_D - 1) // BLOCK_D
     nk = tl.cdiv(tl.maximum(tl.maximum(rq, rk), rv), BLOCK_K)
     mine = _mine((H + 2 * HKV) * NC, rank, P)
-    for j in tl.static_range(PREFETCH if T_TILES == 0 else 0):
+    for j in tl.static_range(PREFETCH):
         i, kc, _ = _position(j, nk, rank, P)
         u_ptr, r, t_off, head, offs_d, p = _qkv_item(i, w_ptr, off_q, off_k, off_v, rq, rk, rv, H, HKV, BLOCK_D, NC)
         rows = head * (2 * HALF) + offs_d
         ok = (offs_d < HALF) & (j < mine * nk)
         _prefetch_tile(u_ptr, rows, ok, r, kc * BLOCK_K, BLOCK_K)
         _prefetch_tile(u_ptr, rows + HALF, ok, r, kc * BLOCK_K, BLOCK_K)
-    if T_TILES == 0:
-        _wait(ctr_ptr, prev, target, mine > 0)
+    _wait(ctr_ptr, prev, target, mine > 0)
     y1 = tl.zeros((BLOCK_D,), dtype=tl.float32)
     y2 = tl.zeros((BLOCK_D,), dtype=tl.float32)
     cos = tl.zeros((BLOCK_D,), dtype=tl.float32)
     sin = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    z = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    q1, q2, q3, k1, k2, k3, v1, v2, v3 = z, z, z, z, z, z, z, z, z
     for j in tl.range(0, mine * nk, num_stages=STAGES):
-        if T_TILES > 0:  # the wait inside the loop, then t read once (see the docstring)
-            if j == 0:
-                _wait(ctr_ptr, prev, target, True)
-                q1, q2, q3, _ = _read_tiles(t_ptr, rq, 1, BLOCK_K, T_TILES)  # T_TILES <= 3
-                k1, k2, k3, _ = _read_tiles(t_ptr + rq, rk, 1, BLOCK_K, T_TILES)
-                v1, v2, v3, _ = _read_tiles(t_ptr + rq + rk, rv, 1, BLOCK_K, T_TILES)
         i, kc, last = _position(j, nk, rank, P)
         u_ptr, r, t_off, head, offs_d, p = _qkv_item(i, w_ptr, off_q, off_k, off_v, rq, rk, rv, H, HKV, BLOCK_D, NC)
         rows = head * (2 * HALF) + offs_d  # dims d of the head; their RoPE partners are rows + HALF
@@ -547,13 +492,7 @@ def _qkv_u_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, w_ptr, off_q, off_k
         w1 = tl.load(u_ptr + rows[:, None] * r + offs_k[None, :], mask=mask_w, other=0.0, eviction_policy="evict_first")
         w2 = tl.load(u_ptr + (rows + HALF)[:, None] * r + offs_k[None, :], mask=mask_w, other=0.0,
                      eviction_policy="evict_first")
-        if T_TILES > 0:  # this step's tile of the item's slice (p: q heads, then k, then v)
-            tq = tl.where(kc == 0, q1, tl.where(kc == 1, q2, q3))
-            tkk = tl.where(kc == 0, k1, tl.where(kc == 1, k2, k3))
-            tv = tl.where(kc == 0, v1, tl.where(kc == 1, v2, v3))
-            tk = tl.where(p < H, tq, tl.where(p < H + HKV, tkk, tv))
-        else:
-            tk = tl.load(t_ptr + t_off + offs_k, mask=mask_k, other=0.0, cache_modifier=".cg")
+        tk = tl.load(t_ptr + t_off + offs_k, mask=mask_k, other=0.0, cache_modifier=".cg")
         y1 += tl.sum(w1.to(tl.float32) * tk[None, :], axis=1)  # dims d
         y2 += tl.sum(w2.to(tl.float32) * tk[None, :], axis=1)  # dims d + HALF
         if last:
@@ -691,8 +630,8 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
                  BN_DOWN_U: tl.constexpr, BK_DOWN_U: tl.constexpr, BN_HEAD: tl.constexpr, BK_HEAD: tl.constexpr,
                  STAGES: tl.constexpr, STAGES_U: tl.constexpr, STAGES_GU: tl.constexpr, STAGES_DV: tl.constexpr,
                  XO_HIDDEN: tl.constexpr, WIL: tl.constexpr,
-                 XO_INTER: tl.constexpr, SPLIT_DV: tl.constexpr, DV_ATOMIC: tl.constexpr, DU_PARTS: tl.constexpr,
-                 UT_O: tl.constexpr, UT_D: tl.constexpr, UT_GU: tl.constexpr, UT_QKV: tl.constexpr,
+                 XO_INTER: tl.constexpr, SPLIT_DV: tl.constexpr, DU_PARTS: tl.constexpr,
+                 UT_O: tl.constexpr, UT_D: tl.constexpr,
                  PREFETCH_ATT: tl.constexpr,
                  PREFETCH: tl.constexpr, TRACE: tl.constexpr):
     D: tl.constexpr = 2 * HALF
@@ -717,11 +656,8 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
         _stamp(trace_ptr, rank, s0 + 1, NS, TRACE)
         _qkv_u_stage(ctr_ptr, rank, P, s0 + 1, s0, P, t_ptr, w_ptr, _offset(mp, 1), _offset(mp, 2), _offset(mp, 3),
                      rq, rk, rv, cos_ptr, sin_ptr, pos, q_ptr, kc, vc, stride_ks, stride_kh, H, HKV, HALF, BN_QKV_U,
-                     BK_QKV_U, STAGES_U, PREFETCH, UT_QKV)
+                     BK_QKV_U, STAGES_U, PREFETCH)
         blk = ctr_ptr + blk_off + layer * tl.cdiv(inter, BK_DOWN_V) * PAD  # this layer's down V block counters
-        if SPLIT_DV and DV_ATOMIC:  # td (down V's output, fp32 atomic adds) zeroed once q/k/v V is complete: the
-            # previous layer's down U, its last reader, is then complete too
-            _zero(ctr_ptr, s0, rank, P, td_ptr, rd, 16)
         _stamp(trace_ptr, rank, s0 + 2, NS, TRACE)
         _attention_stage(ctr_ptr, rank, P, s0 + 2, s0 + 1, P, q_ptr, kc, vc, stride_ks, stride_kh, pos + 1, a_ptr,
                          mid_o_ptr, mid_lse_ptr, ctr_ptr + (L * SLOTS + 2) * PAD + layer * HKV, qk_scale, H // HKV,
@@ -738,11 +674,11 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
         _stamp(trace_ptr, rank, s0 + 7, NS, TRACE)
         _gate_up_stage(ctr_ptr, rank, P, s0 + 7, s0 + 6, P, t_ptr, _weight(w_ptr, mp, 7), _weight(w_ptr, mp, 8), m_ptr,
                        inter, rg, ru, blk, BN_GATE_UP_U, BK_GATE_UP_U, STAGES_GU, PREFETCH,
-                       BK_DOWN_V if SPLIT_DV else 0, UT_GU)
+                       BK_DOWN_V if SPLIT_DV else 0)
         _stamp(trace_ptr, rank, s0 + 8, NS, TRACE)
         if SPLIT_DV:
             _down_v_blocks(ctr_ptr, blk, rank, P, s0 + 8, m_ptr, _weight(w_ptr, mp, 9), td_ptr, rd, inter, BN_GATE_UP_U,
-                           BN_DOWN_V, BK_DOWN_V, STAGES_DV, DV_ATOMIC)
+                           BN_DOWN_V, BK_DOWN_V, STAGES_DV)
             td = td_ptr
         else:
             _gemv_stage(ctr_ptr, rank, P, s0 + 8, s0 + 7, P, m_ptr, _weight(w_ptr, mp, 9), t_ptr, rd, inter, eps, False,
@@ -792,24 +728,34 @@ class StepKernel:
         merge_end = (len(layers) * SLOTS + 2) * PAD + len(layers) * cfg.num_key_value_heads
         self.blk_off = -(-merge_end // PAD) * PAD
         self.on_gpu = dev.type == "cuda"
-        width = self.kcfg.constexprs(self.on_gpu, cfg.head_dim // 2)  # the kernel's tile constants
-        dv_width = width["BK_DOWN_V"]
-        n_blk = len(layers) * -(-cfg.intermediate_size // dv_width) if self.kcfg.split_down_v else 0
+        k = self.kcfg
+        tiles = k.constexprs(self.on_gpu, cfg.head_dim // 2)  # the kernel's tile constants
+        n_dv = -(-cfg.intermediate_size // tiles["BK_DOWN_V"])  # down V's column blocks
+        n_blk = len(layers) * n_dv if k.split_down_v else 0
         self.ctr = torch.zeros(self.blk_off + n_blk * PAD, dtype=torch.int32, device=dev)
         # split_down_v: down V's output (the largest rank of the layers), fp32: a partial a column block, summed by
-        # down U, or (down_v_atomics) one vector the blocks add into
-        n_dv = -(-cfg.intermediate_size // dv_width)
-        self.du_parts = n_dv if self.kcfg.split_down_v and not self.kcfg.down_v_atomics else 1
+        # down U as it reads them
+        self.du_parts = n_dv if k.split_down_v else 1
         self.td = torch.zeros(self.du_parts * max(max(r[17] for r in rows), 16), dtype=torch.float32, device=dev)
-        # U stages reading their input once (u_once, gu_once, qkv_once): register tiles of the stage's width that the
-        # largest rank of its inputs takes, over the layers; 0 = read a tile a step (off, or more tiles than held)
-        top = [max(r[col] for r in rows) for col in range(11, 18)]  # q, k, v, o, gate, up, down
-        k = self.kcfg
-        self.reg_tiles = dict(
-            UT_O=register_tiles(top[3], width["BK_O_U"], k.u_once, 4),
-            UT_D=register_tiles(top[6], width["BK_DOWN_U"], k.u_once, 4),
-            UT_GU=register_tiles(max(top[4:6]), width["BK_GATE_UP_U"], k.gu_once and k.wait_in_loop, 2),
-            UT_QKV=register_tiles(max(top[:3]), width["BK_QKV_U"], k.qkv_once and k.wait_in_loop, 3))
+        # o U and down U reading their input once (u_once): register tiles of the stage's width that the largest rank
+        # of its input takes, over the layers; 0 = read a tile a step (off, or more tiles than held)
+        self.reg_tiles = dict(UT_O=register_tiles(max(r[14] for r in rows), tiles["BK_O_U"], k.u_once, 4),
+                              UT_D=register_tiles(max(r[17] for r in rows), tiles["BK_DOWN_U"], k.u_once, 4))
+        # the launch's constants, fixed for the decoder's life (its buffers and shapes do not change)
+        H, HKV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        gpu = self.on_gpu
+        self.consts = dict(
+            H=H, HKV=HKV, HALF=D // 2, D_PAD=triton.next_power_of_2(D), NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_H=max(16, triton.next_power_of_2(H // HKV)),
+            ATT_BLOCK_N=k.att_block_n if gpu else 16,
+            DOT_PREC="ieee" if bufs["k_cache"].dtype == torch.float32 else "tf32",
+            **tiles, STAGES=k.stages if gpu else 1, STAGES_U=k.u_stages if gpu else 1,
+            STAGES_GU=k.gu_stages if gpu else 1, STAGES_DV=k.dv_stages if gpu else 1,
+            XO_HIDDEN=k.x_once and max(cfg.hidden_size, H * D) <= min(tiles[f"BK_{n}"] for n in XO_STAGES),
+            XO_INTER=k.x_once and cfg.intermediate_size <= tiles["BK_DOWN_V"], WIL=k.wait_in_loop,
+            SPLIT_DV=k.split_down_v, DU_PARTS=self.du_parts, **self.reg_tiles,
+            PREFETCH_ATT=k.att_prefetch and gpu, PREFETCH=k.prefetch if gpu else 0, TRACE=k.trace and gpu,
+            num_warps=k.num_warps if gpu else 1, **({"maxnreg": k.maxnreg} if gpu and k.maxnreg else {}))
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if self.on_gpu else 1
         # one program an SM until the compiled kernel's occupancy is known (the first run); the interpreter runs
         # programs one after the other, so there a single program does every item
@@ -823,31 +769,15 @@ class StepKernel:
 
     def run(self) -> None:
         cfg, b, k = self.cfg, self.b, self.kcfg
-        H, HKV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         kc, vc = b["k_cache"], b["v_cache"]  # (L, 1, S_max, H_kv, D)
-        on_gpu = kc.is_cuda
-        tiles = k.constexprs(on_gpu, D // 2)
         self.ctr.zero_()
         kernel = _step_kernel[self.grid](
             self.base, self.meta, self.head_n, b["x"], b["t"], b["q"], b["a"], b["m"], b["logits"], kc, vc,
             b["seqlens"], b["cos"], b["sin"], b["mid_o"], b["mid_lse"], self.ctr, self.trace, self.td,
             len(self.meta), cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,
-            kc.stride(0), kc.stride(2), kc.stride(3), float(cfg.rms_norm_eps), math.log2(math.e) / math.sqrt(D),
-            self.blk_off,
-            H=H, HKV=HKV, HALF=D // 2, D_PAD=triton.next_power_of_2(D), NUM_SPLITS=self.num_splits,
-            SPLITS_PAD=triton.next_power_of_2(self.num_splits), BLOCK_H=max(16, triton.next_power_of_2(H // HKV)),
-            ATT_BLOCK_N=k.att_block_n if on_gpu else 16, DOT_PREC="ieee" if kc.dtype == torch.float32 else "tf32",
-            **tiles, STAGES=k.stages if on_gpu else 1,
-            STAGES_U=k.u_stages if on_gpu else 1, STAGES_GU=k.gu_stages if on_gpu else 1,
-            STAGES_DV=k.dv_stages if on_gpu else 1,
-            XO_HIDDEN=k.x_once and max(cfg.hidden_size, H * D) <= min(tiles[f"BK_{n}"] for n in XO_STAGES),
-            XO_INTER=k.x_once and cfg.intermediate_size <= tiles["BK_DOWN_V"], WIL=k.wait_in_loop,
-            SPLIT_DV=k.split_down_v, DV_ATOMIC=k.down_v_atomics, DU_PARTS=self.du_parts,
-            **self.reg_tiles,
-            PREFETCH_ATT=k.att_prefetch and on_gpu,
-            PREFETCH=k.prefetch if on_gpu else 0, TRACE=k.trace and on_gpu,
-            num_warps=k.num_warps if on_gpu else 1, **({"maxnreg": k.maxnreg} if on_gpu and k.maxnreg else {}))
-        if on_gpu and self.resident is None:
+            kc.stride(0), kc.stride(2), kc.stride(3), float(cfg.rms_norm_eps),
+            math.log2(math.e) / math.sqrt(cfg.head_dim), self.blk_off, **self.consts)
+        if self.on_gpu and self.resident is None:
             # items are dealt to programs statically, so a program may wait on any other's items: every program
             # must be resident at once. Cap the grid at what fits (registers, shared memory, warps per SM).
             self.resident = resident_programs(kernel.n_regs, kernel.metadata.shared, k.num_warps, kc.device)

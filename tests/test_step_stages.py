@@ -28,16 +28,16 @@ def _gemv_probe(ctr_ptr, x_ptr, w_ptr, y_ptr, N, K, NORM: tl.constexpr, RESIDUAL
 
 @triton.jit
 def _gate_up_probe(ctr_ptr, t_ptr, ug_ptr, uu_ptr, m_ptr, N, rg, ru, blk_ptr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, BK_BLK: tl.constexpr, T_TILES: tl.constexpr):
+                   BLOCK_K: tl.constexpr, BK_BLK: tl.constexpr):
     _gate_up_stage(ctr_ptr, tl.program_id(0), tl.num_programs(0), 0, 0, 0, t_ptr, ug_ptr, uu_ptr, m_ptr, N, rg, ru,
-                   blk_ptr, BLOCK_N, BLOCK_K, 1, 0, BK_BLK, T_TILES)
+                   blk_ptr, BLOCK_N, BLOCK_K, 1, 0, BK_BLK)
 
 
 @triton.jit
 def _down_v_probe(ctr_ptr, blk_ptr, m_ptr, w_ptr, td_ptr, N, K, BN_GU: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr):
+                  BLOCK_K: tl.constexpr):
     _down_v_blocks(ctr_ptr, blk_ptr, tl.program_id(0), tl.num_programs(0), 0, m_ptr, w_ptr, td_ptr, N, K, BN_GU,
-                   BLOCK_N, BLOCK_K, 1, ATOMIC)
+                   BLOCK_N, BLOCK_K, 1)
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor) -> None:
@@ -79,21 +79,19 @@ def test_gemv_stage_over_programs(mode):
     assert _done(ctr) == P
 
 
-@pytest.mark.parametrize("runs,t_tiles", [(False, 0), (True, 0), (True, 1), (True, 2)])
-def test_gate_up_stage_over_programs(runs, t_tiles):
+@pytest.mark.parametrize("runs", [False, True])
+def test_gate_up_stage_over_programs(runs):
     """m = silu(Ug t_g) * (Uu t_u) over 42 rows in items of 4 (11 items: 3 programs, two with a fourth), ranks 13
-    and 9 in 8-column steps (t_tiles 2: both halves in two register tiles; 1 needs ranks <= 16, here 16-column
-    steps); in contiguous runs (runs) each block of 8 rows of m counted once all its items are written."""
+    and 9 in 8-column steps; in contiguous runs (runs) each block of 8 rows of m counted once all its items are
+    written."""
     torch.manual_seed(1)
     N, rg, ru = 42, 13, 9
-    bk = 16 if t_tiles == 1 else 8
     ug, uu = torch.randn(N, rg), torch.randn(N, ru)
     t = torch.randn(rg + ru)
     m = torch.zeros(N)
     ctr = torch.zeros(4 * W, dtype=torch.int32)
     blk = torch.zeros(6 * W, dtype=torch.int32)
-    _gate_up_probe[(P,)](ctr, t, ug, uu, m, N, rg, ru, blk, BLOCK_N=4, BLOCK_K=bk, BK_BLK=8 if runs else 0,
-                         T_TILES=t_tiles)
+    _gate_up_probe[(P,)](ctr, t, ug, uu, m, N, rg, ru, blk, BLOCK_N=4, BLOCK_K=8, BK_BLK=8 if runs else 0)
     g = ug.double() @ t[:rg].double()
     ref = g * torch.sigmoid(g) * (uu.double() @ t[rg:].double())
     _close(m, ref)
@@ -103,22 +101,18 @@ def test_gate_up_stage_over_programs(runs, t_tiles):
     assert counts == ([2, 2, 2, 2, 2, 1] if runs else [0] * 6)
 
 
-@pytest.mark.parametrize("atomic", [False, True])
-def test_down_v_blocks_over_programs(atomic):
+def test_down_v_blocks_over_programs():
     """td = W m by (column block of 16, 2 rows) items over 3 programs, blocks visited from the second on: each block's
-    partial stored apart (td[c * N + n]), or all added into td[:N] with atomics."""
+    partial stored apart (td[c * N + n])."""
     torch.manual_seed(2)
     N, K = 10, 40  # 3 column blocks, the last half full
     w, m = torch.randn(N, K), torch.randn(K)
     ctr = torch.zeros(4 * W, dtype=torch.int32)
     blk = torch.zeros(3 * W, dtype=torch.int32)
     blk.view(-1, W)[:, 0] = torch.tensor([4, 4, 2], dtype=torch.int32)  # gate/up U's items of 4 rows, all done
-    td = torch.zeros(N if atomic else 3 * N)
-    _down_v_probe[(P,)](ctr, blk, m, w, td, N, K, BN_GU=4, BLOCK_N=2, BLOCK_K=16, ATOMIC=atomic)
-    if atomic:
-        _close(td, w.double() @ m.double())
-    else:
-        for c in range(3):
-            cols = slice(16 * c, min(16 * c + 16, K))
-            _close(td[c * N:(c + 1) * N], w[:, cols].double() @ m[cols].double())
+    td = torch.zeros(3 * N)
+    _down_v_probe[(P,)](ctr, blk, m, w, td, N, K, BN_GU=4, BLOCK_N=2, BLOCK_K=16)
+    for c in range(3):
+        cols = slice(16 * c, min(16 * c + 16, K))
+        _close(td[c * N:(c + 1) * N], w[:, cols].double() @ m[cols].double())
     assert _done(ctr) == P
