@@ -26,8 +26,7 @@ import triton
 import triton.language as tl
 
 from rankserve.kernels import step_kernel
-
-PAD = tl.constexpr(32)  # the counters' spacing (int32s a 128-byte line), as in step_kernel
+from rankserve.kernels.step_kernel import PAD  # the counters' spacing (int32s a 128-byte line)
 
 
 @triton.jit
