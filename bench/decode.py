@@ -319,7 +319,10 @@ def time_fast(dec: FastDecoder, P: int, n_tokens: int, repeats: int, compiled=No
 
 
 def greedy_match(model: Transformer, dec: FastDecoder, P: int, n: int) -> dict:
-    """Greedy tokens of the fast path vs the eager runtime for n steps; the first mismatch if any."""
+    """Greedy tokens of the fast path vs the eager runtime for n steps; the first mismatch if any, and whether
+    the mismatches are near-ties: the fast path's largest logit error (max_logit_err, a step's max |fast - eager|
+    over the vocabulary) against, at each mismatched step, the eager logits' margin between their token and the
+    fast path's (a rounding error of e can flip a margin below 2 e)."""
     cfg, B = model.cfg, dec.dcfg.batch_size
     torch.manual_seed(1)
     prompt = torch.randint(0, cfg.vocab_size, (B, P), device=dec.tokens.device)
@@ -327,18 +330,29 @@ def greedy_match(model: Transformer, dec: FastDecoder, P: int, n: int) -> dict:
                     device=prompt.device, dtype=model.embed.weight.dtype)
     with torch.inference_mode():
         lg = model(prompt, cache, last_only=True)
-        eager, fast = [], []
+        eager, fast, e_lg, f_lg = [], [], [], []
         for _ in range(n):
+            e_lg.append(lg.float())
             eager.append(lg.argmax(-1))
             lg = model(eager[-1][:, None], cache, last_only=True)
         lg = dec.prefill(prompt)
         for s in range(n):  # greedy decoders: the token the step itself chose (its in-graph argmax)
+            f_lg.append(lg.float().clone())
             fast.append(dec.tokens.clone() if dec.dcfg.greedy and s else lg.argmax(-1))
             lg = dec.step(eager[s]).clone()  # teacher-forced on eager tokens so the logits stay comparable
-        e, f = torch.stack(eager, 1).cpu(), torch.stack(fast, 1).cpu()
-    same = (e == f)
+        e, f = torch.stack(eager, 1), torch.stack(fast, 1)  # (B, n)
+        E, F = torch.stack(e_lg, 1), torch.stack(f_lg, 1)  # (B, n, vocab) fp32
+        err = (F - E).abs().amax(-1)  # (B, n)
+        margin = E.gather(-1, e[..., None])[..., 0] - E.gather(-1, f[..., None])[..., 0]  # (B, n), 0 where equal
+    same = (e == f).cpu()
     first = None if bool(same.all()) else int((~same).any(0).nonzero()[0])
-    return dict(steps=n, token_match=float(same.float().mean()), first_mismatch_step=first)
+    bad = (~same).nonzero().tolist()
+    mism = [dict(row=b, step=s, eager_margin=round(float(margin[b, s]), 5), logit_err=round(float(err[b, s]), 5))
+            for b, s in bad]
+    return dict(steps=n, token_match=float(same.float().mean()), first_mismatch_step=first,
+                max_logit_err=round(float(err.max()), 5), median_logit_err=round(float(err.median()), 5),
+                logit_std=round(float(E.std(-1).median()), 5), mismatches=mism,
+                near_ties=all(m["eager_margin"] <= 2 * m["logit_err"] for m in mism))
 
 
 # --- cases -----------------------------------------------------------------------------------------

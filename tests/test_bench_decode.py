@@ -58,3 +58,30 @@ def test_markdown_renders(tmp_path):
     p.write_text(json.dumps(doc))
     md = markdown([str(p)])
     assert "TestGPU" in md and "3.60×" in md and "failed: boom" in md and "80%" in md
+
+
+def test_greedy_match_reports_logit_error_and_near_ties():
+    from rankserve.bench.decode import greedy_match, make_decoder
+    torch.manual_seed(0)
+    ranks, groups = plan_ranks(SMALL, "svd-llm", 0.6)
+    model = build_model(SMALL, ranks, groups, "cpu", torch.float32)
+    dec = make_decoder(model, 1, 12 + 9, "torch", "none")
+    g = greedy_match(model, dec, 12, 8)
+    # the torch backend computes the eager runtime's function: same tokens, fp32-sized logit errors
+    assert g["token_match"] == 1.0 and g["first_mismatch_step"] is None and g["mismatches"] == []
+    assert 0 <= g["max_logit_err"] < 1e-4 and g["logit_std"] > 0 and g["near_ties"]
+    # a decoder whose logits are off by a large error at one step: the mismatch is reported with its eager margin
+    step = dec.step
+
+    def skewed(tok):
+        lg = step(tok)
+        if int(dec.cache.seqlens[0]) == 12 + 3:  # one step (seqlens advanced past it)
+            lg[0, (int(lg[0].argmax()) + 1) % SMALL.vocab_size] += 100.0
+        return lg
+
+    dec.step = skewed
+    g = greedy_match(model, dec, 12, 8)
+    assert g["first_mismatch_step"] is not None and len(g["mismatches"]) == 1
+    m = g["mismatches"][0]
+    assert m["row"] == 0 and m["step"] == g["first_mismatch_step"] and m["eager_margin"] >= 0
+    assert g["max_logit_err"] >= 99 and m["logit_err"] >= 99 and g["near_ties"]  # 100 >> any margin: flippable
