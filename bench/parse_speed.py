@@ -54,6 +54,22 @@ def _median_ms(fn, n: int = 5) -> float:
     return statistics.median(ts)
 
 
+def _alternate_ms(fa, fb, n: int = 5) -> tuple[float, float]:
+    """Median ms of fa and of fb, timed alternately (a, b, a, b, ...) after one warm-up each, so that a drift of the
+    machine (clocks, a busy host) during the measurement falls on both alike."""
+    fa()
+    fb()
+    sync()
+    ta, tb = [], []
+    for _ in range(n):
+        for f, ts in ((fa, ta), (fb, tb)):
+            t0 = time.perf_counter()
+            f()
+            sync()
+            ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ta), statistics.median(tb)
+
+
 def random_subsets(routers: Routers, B: int, seed: int) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     return [{"v": 1, "k": {n: sorted(torch.randperm(routers.r_max[n], generator=g)[:k].tolist())
@@ -208,9 +224,9 @@ def main(argv: list[str] | None = None) -> int:
             kv = lambda m: KVCache(cfg.num_hidden_layers, B, Pp, cfg.num_key_value_heads, cfg.head_dim,  # noqa: E731
                                    device=dev, dtype=dt)
             entry["prefill_tokens_per_row"] = Pp
-            entry["prefill_static_ms"] = _median_ms(lambda: static(x, kv(static), last_only=True))
             slots.load(subsets)
-            entry["prefill_parse_ms"] = _median_ms(lambda: slots.model(x, kv(slots.model), last_only=True))
+            entry["prefill_static_ms"], entry["prefill_parse_ms"] = _alternate_ms(
+                lambda: static(x, kv(static), last_only=True), lambda: slots.model(x, kv(slots.model), last_only=True))
             # the routing that a rank-cache hit skips: one r_max prefill of the prompt + the router GEMVs
             xr = torch.randint(0, cfg.vocab_size, (B, P), device=dev)
             entry["route_ms"] = _median_ms(lambda: select_batch(pool, routers, xr), n=3)
