@@ -542,9 +542,9 @@ def _attention_stage(ctr_ptr, rank, P, sid, prev, target, q_ptr, kc_ptr, vc_ptr,
     """Item (kv head hk, split): its query heads over the split's keys; one split writes a (H, D) directly,
     several write partials mid_o (H, NUM_SPLITS, D) fp32 and mid_lse (H, NUM_SPLITS), and the last of a kv head's
     splits to finish (a per-head counter, head_ctr_ptr[hk]) merges them into a: no merge stage (measured on the
-    H200 against one: 3.036 -> 3.000 ms a step, bench/results/step-trace-h200-s7b.json). PREFETCH (GPU): the first
-    item's first BLOCK_N keys and values already in the cache (all but the current token's, which q/k/v U writes)
-    asked of L2 before the wait (its first PREFETCH tiles of BLOCK_N keys)."""
+    H200 against one: 3.036 -> 3.000 ms a step, bench/results/step-trace-h200-s7b.json). PREFETCH > 0 (GPU): the
+    first item's first PREFETCH tiles of BLOCK_N keys and values already in the cache (all but the current token's,
+    which q/k/v U writes) asked of L2 before the wait."""
     i = rank
     split_len = tl.cdiv(tl.cdiv(seqlen, NUM_SPLITS), BLOCK_N) * BLOCK_N
     offs_d = tl.arange(0, D_PAD)
