@@ -9,11 +9,8 @@ kernel is first compiled, then times and traces the default config as bench/step
               (races: the logits may differ run to run), so the gap to the default is what the fences cost
     nowait    _wait returns at once: no ordering at all (wrong logits); what the weight stream takes on its own,
               the bound on what any synchronization scheme could recover
-    spin      not a weakening but a candidate: _wait spins in PTX, the first warp's lanes polling with acquiring
-              reads and the other warps waiting at one CTA barrier after it (the default polls with one thread
-              and two barriers and a shared-memory broadcast a poll); the same ordering, GPU only
 
-relaxed and nowait are wrong by design: only their timings mean something. The greedy and reproducibility checks of
+The results are wrong by design: only the timings mean something. The greedy and reproducibility checks of
 step_trace still run and say how wrong.
 
 Usage: python -m rankserve.bench.sync_probe --mode relaxed --out bench/results/step-trace-h200-probe-relaxed.json
@@ -44,33 +41,7 @@ def _wait_never(ctr_ptr, prev, target, first):
     pass
 
 
-# warp 0 polls (its lanes' loads coalesce into one request a poll), the other warps skip to the barrier after; the
-# labels are local to the braces, so several copies can be inlined into one function
-SPIN = tl.constexpr("""{
-.reg .pred p;
-.reg .b32 v, t;
-mov.u32 $0, 0;
-mov.u32 t, %tid.x;
-setp.ge.u32 p, t, 32;
-@p bra DONE;
-SPIN:
-ld.global.gpu.acquire.b32 v, [$1];
-setp.lt.s32 p, v, $2;
-@p bra SPIN;
-DONE:
-}""")
-
-
-@triton.jit
-def _wait_spin(ctr_ptr, prev, target, first):
-    """As step_kernel._wait, polled in PTX by the first warp without a barrier a poll, then one CTA barrier."""
-    if first:
-        done_ptr = ctr_ptr + (prev + 1) * PAD
-        tl.inline_asm_elementwise(SPIN, "=r,l,r", [done_ptr, target], dtype=tl.int32, is_pure=False, pack=1)
-        tl.debug_barrier()
-
-
-PROBES = {"relaxed": ("_leave", _leave_relaxed), "nowait": ("_wait", _wait_never), "spin": ("_wait", _wait_spin)}
+PROBES = {"relaxed": ("_leave", _leave_relaxed), "nowait": ("_wait", _wait_never)}
 
 
 @contextlib.contextmanager

@@ -35,32 +35,3 @@ def test_probes_swap_the_sync_functions_and_restore_them():
     with pytest.raises(ValueError, match="must be one of"):
         with sync_probe.weakened("fast"):
             pass
-
-
-def test_spin_wait_compiles_into_every_stage_wait_without_a_barrier_in_its_loop():
-    """The spin candidate (GPU only: inline PTX, which the interpreter cannot run): compiled offline for sm90 with
-    it swapped in, each stage function that waits on a stage counter polls in a PTX loop with an acquiring read and
-    no barrier inside, followed by one CTA barrier."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    here = Path(__file__).parent
-    code = (f"import sys, json; sys.path.insert(0, {str(here)!r}); import test_kernels_ptx as t; "
-            "from rankserve.bench import sync_probe\n"
-            "with sync_probe.weakened('spin'):\n    ptx = t.compile_step_ptx()\nprint(json.dumps(ptx))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, f"offline sm90 compile failed:\n{run.stderr[-3000:]}"
-    from test_kernels_ptx import ptx_functions
-    funcs = ptx_functions(json.loads(run.stdout.strip().splitlines()[-1]).splitlines())
-    waiting = [n for n in funcs if n.startswith(("_gemv_stage", "_qkv_u_stage", "_attention_stage", "_gate_up_stage"))]
-    assert len(waiting) >= 6
-    for n in waiting:
-        body = [l.strip() for l in funcs[n] if l.strip() and not l.strip().startswith(".loc")]
-        start = body.index("SPIN:")
-        end = next(i for i in range(start, len(body)) if body[i] == "@p bra SPIN;")
-        loop = body[start:end]
-        assert any(l.startswith("ld.global.gpu.acquire") for l in loop) and not any("bar.sync" in l for l in loop)
-        assert any("bar.sync" in l for l in body[end:end + 8]), f"{n}: no barrier after the spin"
