@@ -126,13 +126,12 @@ class StepKernelConfig:
     u_once: bool = True
     # (the same for gate/up U and q/k/v U was measured no gain, 2.828 / 2.839 vs 2.831 / 2.834 ms,
     # step-trace-h200-s11-once.json; removed, code in commit 68d6540)
-    # GPU: the attention stage asks L2 for its first item's first att_prefetch key tiles (att_block_n keys each) of
-    # cached keys and values before its wait (the step's own K/V row excepted); 0 = off. One tile measured 2-4 us a
-    # step faster than none in each of four runs of session 11 (2.828 vs 2.831 / 2.834, 2.832 vs 2.835 / 2.835, 2.814
-    # vs 2.816 / 2.818, 2.829 vs 2.831 / 2.832 ms; step-trace-h200-s11-*.json); 2 / 3 / 4 tiles 2.830 / 2.833 / 2.834
-    # vs 2.824 / 2.828 / 2.827 for 1 and 2.829 for none (step-trace-h200-s12-attpf.json: at prompt 128 the 4 splits
-    # hold one tile each)
-    att_prefetch: int = 1
+    # GPU: the attention stage asks L2 for its first item's first tile of cached keys and values (att_block_n keys)
+    # before its wait (the step's own K/V row excepted). Measured 2-4 us a step faster in each of four runs of session
+    # 11 (2.828 vs 2.831 / 2.834, 2.832 vs 2.835 / 2.835, 2.814 vs 2.816 / 2.818, 2.829 vs 2.831 / 2.832 ms;
+    # step-trace-h200-s11-*.json). 2 / 3 / 4 tiles: 2.830 / 2.833 / 2.834 vs 2.824 / 2.828 / 2.827 for one
+    # (step-trace-h200-s12-attpf.json, code in commit 0ddab14: at prompt 128 each of the 4 splits holds one tile)
+    att_prefetch: bool = True
     num_warps: int = 4  # 8 warps measured slower: 3.54 ms at one program an SM, 3.95-4.13 with registers capped for
     # two (spills; step-trace-h200-s9-warps.json)
     # GPU: the first tiles of a program's (items x tiles of K) sequence of a stage asked of L2 before it waits for
@@ -163,8 +162,8 @@ class StepKernelConfig:
         if self.split_down_v and self.down_v[1] % self.gate_up_u[0]:
             raise ValueError(f"split_down_v: gate/up U items of {self.gate_up_u[0]} rows must tile down V's "
                              f"{self.down_v[1]}-column blocks")
-        if self.prefetch < 0 or self.att_prefetch < 0:
-            raise ValueError(f"prefetch / att_prefetch must be >= 0 tiles, got {self.prefetch} / {self.att_prefetch}")
+        if self.prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0 tiles, got {self.prefetch}")
         if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"maxnreg must be in [24, 255] or None, got {self.maxnreg}")
 
@@ -538,25 +537,23 @@ def _attention_stage(ctr_ptr, rank, P, sid, prev, target, q_ptr, kc_ptr, vc_ptr,
                      a_ptr, mid_o_ptr, mid_lse_ptr, head_ctr_ptr, qk_scale, G: tl.constexpr, HKV: tl.constexpr,
                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                      NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, DOT_PREC: tl.constexpr,
-                     PREFETCH: tl.constexpr = 0):
+                     PREFETCH: tl.constexpr = False):
     """Item (kv head hk, split): its query heads over the split's keys; one split writes a (H, D) directly,
     several write partials mid_o (H, NUM_SPLITS, D) fp32 and mid_lse (H, NUM_SPLITS), and the last of a kv head's
     splits to finish (a per-head counter, head_ctr_ptr[hk]) merges them into a: no merge stage (measured on the
-    H200 against one: 3.036 -> 3.000 ms a step, bench/results/step-trace-h200-s7b.json). PREFETCH > 0 (GPU): the
-    first item's first PREFETCH tiles of BLOCK_N keys and values already in the cache (all but the current token's,
-    which q/k/v U writes) asked of L2 before the wait."""
+    H200 against one: 3.036 -> 3.000 ms a step, bench/results/step-trace-h200-s7b.json). PREFETCH (GPU): the first
+    item's first BLOCK_N keys and values already in the cache (all but the current token's, which q/k/v U writes)
+    asked of L2 before the wait."""
     i = rank
     split_len = tl.cdiv(tl.cdiv(seqlen, NUM_SPLITS), BLOCK_N) * BLOCK_N
     offs_d = tl.arange(0, D_PAD)
     mask_d = offs_d < D
-    if PREFETCH > 0:
+    if PREFETCH:
         if i < HKV * NUM_SPLITS:
-            first = (i % NUM_SPLITS) * split_len
-            for kt in tl.static_range(PREFETCH):
-                keys = first + kt * BLOCK_N + tl.arange(0, BLOCK_N)
-                ok = (keys < seqlen - 1) & (keys < first + split_len)
-                _prefetch_tile(kc_ptr + (i // NUM_SPLITS) * stride_kh, keys, ok, stride_ks, 0, D_PAD)
-                _prefetch_tile(vc_ptr + (i // NUM_SPLITS) * stride_kh, keys, ok, stride_ks, 0, D_PAD)
+            keys = (i % NUM_SPLITS) * split_len + tl.arange(0, BLOCK_N)
+            ok = keys < seqlen - 1
+            _prefetch_tile(kc_ptr + (i // NUM_SPLITS) * stride_kh, keys, ok, stride_ks, 0, D_PAD)
+            _prefetch_tile(vc_ptr + (i // NUM_SPLITS) * stride_kh, keys, ok, stride_ks, 0, D_PAD)
     _wait(ctr_ptr, prev, target, i < HKV * NUM_SPLITS)
     while i < HKV * NUM_SPLITS:
         hk = i // NUM_SPLITS
@@ -759,7 +756,7 @@ class StepKernel:
             XO_HIDDEN=k.x_once and max(cfg.hidden_size, H * D) <= min(tiles[f"BK_{n}"] for n in XO_STAGES),
             XO_INTER=k.x_once and cfg.intermediate_size <= tiles["BK_DOWN_V"], WIL=k.wait_in_loop,
             SPLIT_DV=k.split_down_v, DU_PARTS=self.du_parts, **self.reg_tiles,
-            PREFETCH_ATT=k.att_prefetch if gpu else 0, PREFETCH=k.prefetch if gpu else 0, TRACE=k.trace and gpu,
+            PREFETCH_ATT=k.att_prefetch and gpu, PREFETCH=k.prefetch if gpu else 0, TRACE=k.trace and gpu,
             num_warps=k.num_warps if gpu else 1, **({"maxnreg": k.maxnreg} if gpu and k.maxnreg else {}))
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if self.on_gpu else 1
         # one program an SM until the compiled kernel's occupancy is known (the first run); the interpreter runs

@@ -139,26 +139,9 @@ def test_one_launch_step_reads_activations_around_l1_with_vector_copies():
     polls = [i for i, l in enumerate(qkv_u) if "ld.global.gpu.acquire" in l]
     assert any("prefetch.global.L2" in l for l in qkv_u[:polls[0]]), "no L2 prefetch before the U wait"
     # attention (att_prefetch): its first cached keys and values asked of L2 before its wait
-    assert _att_prefetches(funcs) > 0, "attention: no L2 prefetch before its wait"
-
-
-def _att_prefetches(funcs: dict[str, list[str]]) -> int:
-    """`prefetch.global.L2` instructions of the attention stage before its first poll."""
     [att] = [b for n, b in funcs.items() if n.startswith("_attention_stage")]
     polls = [i for i, l in enumerate(att) if "ld.global.gpu.acquire" in l]
-    return sum("prefetch.global.L2" in l for l in att[:polls[0]])
-
-
-def test_attention_prefetch_asks_for_as_many_key_tiles_as_configured():
-    """att_prefetch = n: n tiles of cached keys and values asked of L2 before attention's wait (n times one's)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_kernels_ptx as t; "
-            f"print(json.dumps([t.compile_step_ptx(att_prefetch=n) for n in (0, 1, 3)]))")
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, f"offline sm90 compile failed:\n{run.stderr[-3000:]}"
-    n0, n1, n3 = (_att_prefetches(ptx_functions(p.splitlines()))
-                  for p in json.loads(run.stdout.strip().splitlines()[-1]))
-    assert n0 == 0 and n1 > 0 and n3 == 3 * n1
+    assert any("prefetch.global.L2" in l for l in att[:polls[0]]), "attention: no L2 prefetch before its wait"
 
 
 def ptx_functions(lines: list[str]) -> dict[str, list[str]]:
