@@ -11,8 +11,9 @@ Every program of the persistent step kernel stamps the global timer as it reache
 aggregated over layers by stage kind (q/k/v V, q/k/v U, attention, ..., head), with the bytes each reads and the
 rate they stream at over the span and over the median work. Stamps cost a store a stage: the traced step is a little
 slower than the untraced one, which is timed in the same run for reference. Each config's untraced decoder is also
-checked: its greedy tokens against the eager runtime's (64 teacher-forced steps) and whether two runs of the same
-prompt give bitwise the same logits.
+checked: its greedy tokens against the eager runtime's (64 teacher-forced steps), whether two runs of the same
+prompt give bitwise the same logits, and whether those logits are bitwise the default config's (a schedule change
+that keeps every sum's order, e.g. gu_split, must give the same bits).
 
 Usage: python -m rankserve.bench.step_trace --out step-trace-h200.json [--family svd-llm --keep 0.6 --prompt 128]
        [--config NAME:FIELD=VALUE,FIELD=VALUE ...]   (StepKernelConfig fields, tiles as ROWSxWIDTH: o_u=16x512;
@@ -88,8 +89,9 @@ def analyse(stamps: torch.Tensor, programs: int, nbytes: list[float], smid: torc
     return out
 
 
-def trace_config(model, fields: dict, prompt: int) -> dict:
-    """Time the config untraced, then replay traced steps and analyse the last one."""
+def trace_config(model, fields: dict, prompt: int, ref: torch.Tensor | None = None) -> dict:
+    """Time the config untraced, then replay traced steps and analyse the last one. ref: the default config's logits
+    (reproducible's), to say whether this config's are bitwise the same; the first call's are kept under "_logits"."""
     from rankserve.kernels.step_kernel import StepKernelConfig
     out = {}
     fields = dict(fields)
@@ -104,7 +106,12 @@ def trace_config(model, fields: dict, prompt: int) -> dict:
         out["traced_ms" if traced else "ms"] = statistics.median(ms)
         if not traced:  # correctness gates the timing: greedy tokens against the eager runtime's
             out["greedy"] = greedy_match(model, dec, prompt, 64)
-            out["bitwise_reproducible"] = reproducible(dec, prompt, 16)
+            same, logits = reproducible(dec, prompt, 16)
+            out["bitwise_reproducible"] = same
+            if ref is None:
+                out["_logits"] = logits
+            else:
+                out["bitwise_same_as_default"] = bool(torch.equal(logits, ref))
         if traced:
             torch.cuda.synchronize()
             seqlen = int(dec.cache.seqlens[0])  # the last step attended over seqlen keys
@@ -117,8 +124,9 @@ def trace_config(model, fields: dict, prompt: int) -> dict:
     return out
 
 
-def reproducible(dec: FastDecoder, P: int, n: int) -> bool:
-    """Whether two runs of the same prompt and n teacher-forced steps give bitwise the same logits."""
+def reproducible(dec: FastDecoder, P: int, n: int) -> tuple[bool, torch.Tensor]:
+    """Whether two runs of the same prompt and n teacher-forced steps give bitwise the same logits, and the first
+    run's logits (n + 1, vocab)."""
     torch.manual_seed(2)
     prompt = torch.randint(0, dec.cfg.vocab_size, (1, P), device=dec.tokens.device)
     steps = torch.randint(0, dec.cfg.vocab_size, (n, 1), device=dec.tokens.device)
@@ -127,7 +135,7 @@ def reproducible(dec: FastDecoder, P: int, n: int) -> bool:
         for _ in range(2):
             out = [dec.prefill(prompt).clone()] + [dec.step(t).clone() for t in steps]
             runs.append(torch.stack(out))
-    return bool(torch.equal(runs[0], runs[1]))
+    return bool(torch.equal(runs[0], runs[1])), runs[0]
 
 
 def markdown(res: dict, names: list[str]) -> str:
@@ -200,9 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(cfg, ranks, groups, "cuda", torch.bfloat16, align=GPU_ALIGN)
     res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw=copy_bandwidth("cuda"),
                family=args.family, keep=args.keep, prompt=args.prompt, configs={})
+    ref = None  # the default config's logits
     for name, fields in configs.items():
         try:
-            res["configs"][name] = dict(fields=fields, **trace_config(model, fields, args.prompt))
+            out = trace_config(model, fields, args.prompt, ref)
+            ref = out.pop("_logits", ref)
+            res["configs"][name] = dict(fields=fields, **out)
         except Exception as e:  # one bad config (compile error, unknown field) must not lose the rest
             res["configs"][name] = dict(fields=fields, error=repr(e)[:2000])
         r = res["configs"][name]

@@ -68,8 +68,10 @@ def test_reproducible_compares_two_runs_bitwise():
     from rankserve.bench.step_trace import reproducible
     from rankserve.workers.fast_decode import DecodeConfig, FastDecoder
     dec = FastDecoder(tiny_model(6), DecodeConfig(batch_size=1, max_seq_len=32, graph="none"))
-    assert reproducible(dec, 5, 3)
+    same, logits = reproducible(dec, 5, 3)
+    assert same and logits.shape == (4, 1, dec.cfg.vocab_size)
     calls = iter(range(10 ** 6))
     step = dec.step
     dec.step = lambda t: step(t) + next(calls) * 1e-3  # a different result every call
-    assert not reproducible(dec, 5, 3)
+    same, drifted = reproducible(dec, 5, 3)
+    assert not same and torch.equal(drifted[0], logits[0]) and not torch.equal(drifted[1:], logits[1:])
