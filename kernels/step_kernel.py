@@ -114,11 +114,6 @@ class StepKernelConfig:
     # counters instead of the stage barrier; _down_v_blocks). Measured with atomic adds into one output: 2.950 ->
     # 2.909 ms a step, twice in one run (down V's span 408 -> 365 us; step-trace-h200-s9-splitdv2.json)
     split_down_v: bool = True
-    # (only with split_down_v) gate/up U's items left over after every program's equal run cut into their steps, one a
-    # program, their partial sums added up by down V as it reads m (_gu_deal): the stage's busiest programs do one
-    # step more than the rest instead of a whole item (at the 7B shape 1376 items of 2 steps over 264 programs: 56
-    # programs with 12 steps and 208 with 10 become 112 with 11 and 152 with 10)
-    gu_split: bool = True
     # (split_down_v's column blocks each store their partial of down V's output, summed by down U as it reads them:
     # no atomics, the step bitwise reproducible. Atomic adds into one vector instead were measured slower, 2.898 /
     # 2.903 vs 2.846 / 2.858 ms, step-trace-h200-s10-det.json; removed in session 11)
@@ -362,21 +357,19 @@ def _read_once(x_ptr, offs_x, K, eps, NORM: tl.constexpr):
 
 
 @triton.jit(noinline=True)
-def _gate_up_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, ug_ptr, uu_ptr, m_ptr, N, rg, ru, blk_ptr, gp_ptr,
+def _gate_up_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, ug_ptr, uu_ptr, m_ptr, N, rg, ru, blk_ptr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-                   BK_BLK: tl.constexpr = 0, SPLIT: tl.constexpr = False):
+                   BK_BLK: tl.constexpr = 0):
     """m[n] = silu(Ug[n] . t[:rg]) * (Uu[n] . t[rg:]) for n < N (pipelined as _gemv_stage). BK_BLK > 0: m is read
-    by blocks of BK_BLK rows (_down_v_blocks): each program takes a contiguous run of items (_gu_deal) and, after its
-    loop, adds its items' steps of each block to the block's counter (blk_ptr, PAD apart, release). Counting inside
-    the loop (a barrier and an atomic at block changes) stopped triton pipelining it. With SPLIT the items left over
-    after every program's equal run are cut into their steps, one a program (_gu_deal): such a piece's partial sums
-    of its gate and up rows go to gp_ptr (2 x BLOCK_N fp32 at piece = rank), counted as one step of its block, and
-    down V adds the pieces of an item up and applies SiLU·mul as it reads them."""
+    by blocks of BK_BLK rows (_down_v_blocks): each program takes a contiguous run of items (the first n mod P programs
+    one more) and, after its loop, adds its items of each block to the block's counter (blk_ptr, PAD apart,
+    release). Counting inside the loop (a barrier and an atomic at block changes) stopped triton pipelining it."""
     nk = tl.cdiv(tl.maximum(rg, ru), BLOCK_K)
     n = tl.cdiv(N, BLOCK_N)
-    piece = 0
     if BK_BLK > 0:
-        first, mine, piece, _ = _gu_deal(n, nk, rank, P, SPLIT)  # items first .. first + mine - 1, and a piece
+        q = n // P
+        first = rank * q + tl.minimum(rank, n - q * P)  # this program's items: first .. first + mine - 1
+        mine = q + (rank < n - q * P).to(tl.int32)
     else:
         first = rank
         mine = _mine(n, rank, P)
@@ -387,16 +380,15 @@ def _gate_up_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, ug_ptr, uu_ptr, m
         rows = first * BLOCK_N + tl.arange(0, BLOCK_N)
         _prefetch_tile(ug_ptr, rows, (rows < N) & (mine > 0), rg, 0, BLOCK_K)
         _prefetch_tile(uu_ptr, rows, (rows < N) & (mine > 0), ru, 0, BLOCK_K)
-    _wait(ctr_ptr, prev, target, mine + piece > 0)
+    _wait(ctr_ptr, prev, target, mine > 0)
     g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     u = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.range(0, mine * nk + piece, num_stages=STAGES):
+    for j in tl.range(0, mine * nk, num_stages=STAGES):
         if BK_BLK > 0:
             it = j // nk
-            whole = it < mine  # else the piece, the loop's last step: item rank // nk, its tile rank % nk
-            kc = tl.where(whole, j - it * nk, rank % nk)
-            i = tl.where(whole, first + it, rank // nk)
-            last = whole & (kc == nk - 1)
+            kc = j - it * nk
+            i = first + it
+            last = kc == nk - 1
         else:
             i, kc, last = _position(j, nk, rank, P)
         offs_n = i * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -415,60 +407,32 @@ def _gate_up_stage(ctr_ptr, rank, P, sid, prev, target, t_ptr, ug_ptr, uu_ptr, m
         g = tl.where(last, 0.0, g)
         u = tl.where(last, 0.0, u)
     if BK_BLK > 0:
-        per: tl.constexpr = BK_BLK // BLOCK_N  # items a block
-        if piece > 0:  # g, u: the piece's partial sums (a whole item's last step zeroed them)
-            offs_p = rank * 2 * BLOCK_N + tl.arange(0, BLOCK_N)
-            tl.store(gp_ptr + offs_p, g)
-            tl.store(gp_ptr + BLOCK_N + offs_p, u)
-        if mine + piece > 0:
-            tl.debug_barrier()  # every thread's m (and partial) stores issued before the releases
         if mine > 0:
+            tl.debug_barrier()  # every thread's m stores issued before the releases
+            per: tl.constexpr = BK_BLK // BLOCK_N  # items a block
             for b in range(first // per, (first + mine - 1) // per + 1):
                 cnt = tl.minimum(first + mine, (b + 1) * per) - tl.maximum(first, b * per)
-                tl.atomic_add(blk_ptr + b * PAD, cnt * nk, sem="release")
-        if piece > 0:
-            tl.atomic_add(blk_ptr + (rank // nk // per) * PAD, 1, sem="release")
+                tl.atomic_add(blk_ptr + b * PAD, cnt, sem="release")
     _leave(ctr_ptr, sid)
 
 
-@triton.jit
-def _gu_deal(n, nk, rank, P, SPLIT: tl.constexpr):
-    """gate/up U's n items of nk steps each, dealt in contiguous runs (split_down_v): (first, mine) = this program's
-    run of whole items, piece = 1 if it also takes one step of a left-over item, and cut = how many of the items
-    (0 .. cut - 1) are done in pieces. Without SPLIT, or when the e = n mod P left-over items have more steps than
-    there are programs, the first e programs take one more whole item (items 0 .. e - 1: the stage's stragglers);
-    with it, every program takes n // P whole items after the left-overs, and program r < e * nk takes step r % nk of
-    left-over item r // nk, so the stage's busiest programs do one step more than the rest instead of a whole item
-    (nk steps) more."""
-    q = n // P
-    e = n - q * P
-    cut = (nk > 1) & (e * nk <= P) & SPLIT
-    first = tl.where(cut, e + rank * q, rank * q + tl.minimum(rank, e))
-    mine = tl.where(cut, q, q + (rank < e).to(tl.int32))
-    piece = (cut & (rank < e * nk)).to(tl.int32)
-    return first, mine, piece, tl.where(cut, e, 0)
-
-
 @triton.jit(noinline=True)
-def _down_v_blocks(ctr_ptr, blk_ptr, rank, P, sid, m_ptr, w_ptr, td_ptr, N, K, nk_gu, gp_ptr, BN_GU: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, SPLIT: tl.constexpr = False):
+def _down_v_blocks(ctr_ptr, blk_ptr, rank, P, sid, m_ptr, w_ptr, td_ptr, N, K, BN_GU: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """td[c * N + n] = sum_k w[n, k] m[k] over the columns k of block c (BLOCK_K of them), for n < N, by items
     (block c, BLOCK_N rows), one step an item: each block's partial stored apart, summed by down U as it reads them
     (each item has one owner: plain stores, no atomics, the sum's order fixed). No stage wait:
-    before its first item of block c a program waits until gate/up U's steps of that block (nk_gu an item of BN_GU
-    rows) are all counted (blk_ptr[c * PAD], acquire), so a program done with gate/up U works on the blocks already
-    complete while the stage's stragglers finish the last one; the pipelined weight stream runs ahead across those
-    waits. Blocks are visited from the second on (block 0, where gate/up U's programs with an extra item or piece
-    work, last) and items dealt from the last rank down, so those programs (the first ranks) are the last to get an
-    extra one here. gate/up U's items done in pieces (SPLIT, _gu_deal) are read from their partials (gp_ptr): summed
-    in step order, SiLU·mul and the rounding to m's dtype as gate/up U does them, so m is bitwise the same."""
+    before its first item of block c a program waits until gate/up U's items of that block are all counted
+    (blk_ptr[c * PAD], acquire), so a program done with gate/up U works on the blocks already complete while the
+    stage's stragglers finish the last one; the pipelined weight stream runs ahead across those waits. Blocks are
+    visited from the second on (block 0, where gate/up U's programs with an extra item work, last) and items dealt
+    from the last rank down, so those programs (the first ranks) are the last to get an extra one here."""
     nr = tl.cdiv(N, BLOCK_N)
     nb = tl.cdiv(K, BLOCK_K)
     me = P - 1 - rank
     mine = _mine(nb * nr, me, P)
     offs_x = tl.arange(0, BLOCK_K)
     x1 = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    _, _, _, cut = _gu_deal(tl.cdiv(K, BN_GU), nk_gu, 0, P, SPLIT)  # gate/up U's items 0 .. cut - 1: in pieces
     cur = -1
     for j in tl.range(0, mine, num_stages=STAGES):
         k = me + j * P
@@ -476,14 +440,11 @@ def _down_v_blocks(ctr_ptr, blk_ptr, rank, P, sid, m_ptr, w_ptr, td_ptr, N, K, n
         rb = k - c * nr
         c = (c + 1) % nb  # block 0 last: gate/up U's programs with an extra item all work in it
         if c != cur:
-            need = tl.cdiv(tl.minimum(BLOCK_K, K - c * BLOCK_K), BN_GU) * nk_gu
+            need = tl.cdiv(tl.minimum(BLOCK_K, K - c * BLOCK_K), BN_GU)
             while tl.atomic_add(blk_ptr + c * PAD, 0, sem="acquire") < need:
                 pass
             offs = c * BLOCK_K + offs_x
             x1 = tl.load(m_ptr + offs, mask=offs < K, other=0.0, cache_modifier=".cg").to(tl.float32)
-            if SPLIT:
-                if c * BLOCK_K < cut * BN_GU:
-                    x1 = _pieces(gp_ptr, offs, cut * BN_GU, nk_gu, x1, m_ptr.dtype.element_ty, BN_GU)
             cur = c
         offs_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = c * BLOCK_K + offs_x
@@ -492,22 +453,6 @@ def _down_v_blocks(ctr_ptr, blk_ptr, rank, P, sid, m_ptr, w_ptr, td_ptr, N, K, n
                     other=0.0, eviction_policy="evict_first")
         tl.store(td_ptr + c * N + offs_n, tl.sum(w.to(tl.float32) * x1[None, :], axis=1), mask=mask_n)
     _leave(ctr_ptr, sid)
-
-
-@triton.jit
-def _pieces(gp_ptr, offs, rows, nk, x, dt: tl.constexpr, BN: tl.constexpr):
-    """x with its lanes at offs < rows (m's rows of gate/up U's items done in pieces) replaced by m from the pieces'
-    partials: item i's step kc stored 2 x BN fp32 (gate, up) at piece i * nk + kc; summed from step 0 on as gate/up
-    U's loop adds them, SiLU·mul, rounded to dt."""
-    ex = offs < rows
-    it = offs // BN
-    at = gp_ptr + it * nk * 2 * BN + (offs - it * BN)
-    g = tl.zeros(offs.shape, dtype=tl.float32)
-    u = tl.zeros(offs.shape, dtype=tl.float32)
-    for kc in range(nk):
-        g += tl.load(at + kc * 2 * BN, mask=ex, other=0.0, cache_modifier=".cg")
-        u += tl.load(at + kc * 2 * BN + BN, mask=ex, other=0.0, cache_modifier=".cg")
-    return tl.where(ex, (g / (1.0 + tl.exp(-g)) * u).to(dt).to(tl.float32), x)
 
 
 @triton.jit(noinline=True)
@@ -675,7 +620,7 @@ def _rank(mp, j):
 
 @triton.jit
 def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, logits_ptr, kc_ptr, vc_ptr,
-                 seqlens_ptr, cos_ptr, sin_ptr, mid_o_ptr, mid_lse_ptr, ctr_ptr, trace_ptr, td_ptr, gp_ptr,
+                 seqlens_ptr, cos_ptr, sin_ptr, mid_o_ptr, mid_lse_ptr, ctr_ptr, trace_ptr, td_ptr,
                  L, hidden, inter, vocab, stride_kl, stride_ks, stride_kh, eps, qk_scale, blk_off,
                  H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, D_PAD: tl.constexpr,
                  NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -687,7 +632,7 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
                  BN_DOWN_U: tl.constexpr, BK_DOWN_U: tl.constexpr, BN_HEAD: tl.constexpr, BK_HEAD: tl.constexpr,
                  STAGES: tl.constexpr, STAGES_U: tl.constexpr, STAGES_GU: tl.constexpr, STAGES_DV: tl.constexpr,
                  XO_HIDDEN: tl.constexpr, WIL: tl.constexpr,
-                 XO_INTER: tl.constexpr, SPLIT_DV: tl.constexpr, GU_SPLIT: tl.constexpr, DU_PARTS: tl.constexpr,
+                 XO_INTER: tl.constexpr, SPLIT_DV: tl.constexpr, DU_PARTS: tl.constexpr,
                  UT_O: tl.constexpr, UT_D: tl.constexpr,
                  PREFETCH_ATT: tl.constexpr,
                  PREFETCH: tl.constexpr, TRACE: tl.constexpr):
@@ -730,13 +675,12 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
                     True, False, BN_GATE_UP_V, BK_GATE_UP_V, STAGES, PREFETCH, XO_HIDDEN, WIL)
         _stamp(trace_ptr, rank, s0 + 7, NS, TRACE)
         _gate_up_stage(ctr_ptr, rank, P, s0 + 7, s0 + 6, P, t_ptr, _weight(w_ptr, mp, 7), _weight(w_ptr, mp, 8), m_ptr,
-                       inter, rg, ru, blk, gp_ptr, BN_GATE_UP_U, BK_GATE_UP_U, STAGES_GU, PREFETCH,
-                       BK_DOWN_V if SPLIT_DV else 0, GU_SPLIT)
+                       inter, rg, ru, blk, BN_GATE_UP_U, BK_GATE_UP_U, STAGES_GU, PREFETCH,
+                       BK_DOWN_V if SPLIT_DV else 0)
         _stamp(trace_ptr, rank, s0 + 8, NS, TRACE)
         if SPLIT_DV:
-            _down_v_blocks(ctr_ptr, blk, rank, P, s0 + 8, m_ptr, _weight(w_ptr, mp, 9), td_ptr, rd, inter,
-                           tl.cdiv(tl.maximum(rg, ru), BK_GATE_UP_U), gp_ptr, BN_GATE_UP_U, BN_DOWN_V, BK_DOWN_V,
-                           STAGES_DV, GU_SPLIT)
+            _down_v_blocks(ctr_ptr, blk, rank, P, s0 + 8, m_ptr, _weight(w_ptr, mp, 9), td_ptr, rd, inter, BN_GATE_UP_U,
+                           BN_DOWN_V, BK_DOWN_V, STAGES_DV)
             td = td_ptr
         else:
             _gemv_stage(ctr_ptr, rank, P, s0 + 8, s0 + 7, P, m_ptr, _weight(w_ptr, mp, 9), t_ptr, rd, inter, eps, False,
@@ -788,7 +732,6 @@ class StepKernel:
         self.on_gpu = dev.type == "cuda"
         k = self.kcfg
         tiles = k.constexprs(self.on_gpu, cfg.head_dim // 2)  # the kernel's tile constants
-        self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if self.on_gpu else 1
         n_dv = -(-cfg.intermediate_size // tiles["BK_DOWN_V"])  # down V's column blocks
         n_blk = len(layers) * n_dv if k.split_down_v else 0
         self.ctr = torch.zeros(self.blk_off + n_blk * PAD, dtype=torch.int32, device=dev)
@@ -796,11 +739,6 @@ class StepKernel:
         # down U as it reads them
         self.du_parts = n_dv if k.split_down_v else 1
         self.td = torch.zeros(self.du_parts * max(max(r[17] for r in rows), 16), dtype=torch.float32, device=dev)
-        # gu_split: gate/up U's pieces' partial sums, gate and up rows (2 x its tile's rows, fp32) for each program
-        # that may take one (at most the programs an SM can hold)
-        gu_split = k.gu_split and k.split_down_v
-        self.gp = torch.zeros(self.sms * 32 * 2 * tiles["BN_GATE_UP_U"] if gu_split else 1, dtype=torch.float32,
-                              device=dev)
         # o U and down U reading their input once (u_once): register tiles of the stage's width that the largest rank
         # of its input takes, over the layers; 0 = read a tile a step (off, or more tiles than held)
         self.reg_tiles = dict(UT_O=register_tiles(max(r[14] for r in rows), tiles["BK_O_U"], k.u_once, 4),
@@ -817,9 +755,10 @@ class StepKernel:
             STAGES_GU=k.gu_stages if gpu else 1, STAGES_DV=k.dv_stages if gpu else 1,
             XO_HIDDEN=k.x_once and max(cfg.hidden_size, H * D) <= min(tiles[f"BK_{n}"] for n in XO_STAGES),
             XO_INTER=k.x_once and cfg.intermediate_size <= tiles["BK_DOWN_V"], WIL=k.wait_in_loop,
-            SPLIT_DV=k.split_down_v, GU_SPLIT=gu_split, DU_PARTS=self.du_parts, **self.reg_tiles,
+            SPLIT_DV=k.split_down_v, DU_PARTS=self.du_parts, **self.reg_tiles,
             PREFETCH_ATT=k.att_prefetch and gpu, PREFETCH=k.prefetch if gpu else 0, TRACE=k.trace and gpu,
             num_warps=k.num_warps if gpu else 1, **({"maxnreg": k.maxnreg} if gpu and k.maxnreg else {}))
+        self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if self.on_gpu else 1
         # one program an SM until the compiled kernel's occupancy is known (the first run); the interpreter runs
         # programs one after the other, so there a single program does every item
         self.grid = (self.sms,)
@@ -836,7 +775,7 @@ class StepKernel:
         self.ctr.zero_()
         kernel = _step_kernel[self.grid](
             self.base, self.meta, self.head_n, b["x"], b["t"], b["q"], b["a"], b["m"], b["logits"], kc, vc,
-            b["seqlens"], b["cos"], b["sin"], b["mid_o"], b["mid_lse"], self.ctr, self.trace, self.td, self.gp,
+            b["seqlens"], b["cos"], b["sin"], b["mid_o"], b["mid_lse"], self.ctr, self.trace, self.td,
             len(self.meta), cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,
             kc.stride(0), kc.stride(2), kc.stride(3), float(cfg.rms_norm_eps),
             math.log2(math.e) / math.sqrt(cfg.head_dim), self.blk_off, **self.consts)

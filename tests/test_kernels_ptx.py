@@ -70,7 +70,7 @@ STEP_POINTERS = {"w_ptr": "*bf16", "meta_ptr": "*i64", "head_ptr": "*bf16", "x_p
                  "q_ptr": "*bf16", "a_ptr": "*bf16", "m_ptr": "*bf16", "logits_ptr": "*fp32", "kc_ptr": "*bf16",
                  "vc_ptr": "*bf16", "seqlens_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
                  "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "ctr_ptr": "*i32",
-                 "trace_ptr": "*i64", "td_ptr": "*fp32", "gp_ptr": "*fp32"}
+                 "trace_ptr": "*i64", "td_ptr": "*fp32"}
 STEP_INTS = ("L", "hidden", "inter", "vocab", "stride_kl", "stride_ks", "stride_kh", "blk_off")
 
 
@@ -88,7 +88,7 @@ def compile_step_ptx(num_splits: int = 4, kind: str = "ptx", **fields) -> str:
     consts = dict(H=32, HKV=32, HALF=64, D_PAD=128, NUM_SPLITS=num_splits, SPLITS_PAD=num_splits, BLOCK_H=16,
                   ATT_BLOCK_N=64, DOT_PREC="tf32", STAGES=k.stages, STAGES_U=k.u_stages, STAGES_GU=k.gu_stages,
                   STAGES_DV=k.dv_stages, XO_HIDDEN=k.x_once, XO_INTER=False, WIL=k.wait_in_loop,
-                  SPLIT_DV=k.split_down_v, GU_SPLIT=k.gu_split, DU_PARTS=3 if k.split_down_v else 1,
+                  SPLIT_DV=k.split_down_v, DU_PARTS=3 if k.split_down_v else 1,
                   UT_O=3 if k.u_once else 0, UT_D=2 if k.u_once else 0,  # ranks 1232 / 1792 in 512 / 1024 tiles
                   PREFETCH_ATT=k.att_prefetch,
                   PREFETCH=k.prefetch,
