@@ -193,7 +193,7 @@ def load_cached(cache: str | Path, model: str | Path, base: str, tag: str, pool_
 
 def add_cached_args(ap: argparse.ArgumentParser, tag: str = "valid") -> None:
     """--base, --tag, --model, --cache: the checkpoints load_cached() reads (the quality benches beside this one)."""
-    ap.add_argument("--base", default="svd-llm", choices=["svd-llm", "basis-sharing"])
+    ap.add_argument("--base", default="svd-llm", choices=["svd-llm", "basis-sharing", "svd"])
     ap.add_argument("--tag", default=tag, help="router corpus tag of the cached PARSE checkpoint")
     ap.add_argument("--model", default="models/reference")
     ap.add_argument("--cache", default=".cache/parse")

@@ -62,13 +62,13 @@ from rankserve.workers.model import Transformer
 from rankserve.workers.parse import router_input
 from rankserve.workers.tokenizer import Tokenizer
 
-BASES = ("svd-llm", "basis-sharing")
+BASES = ("svd-llm", "basis-sharing", "svd")  # svd: plain truncated SVD, no whitening (the paper's "vanilla SVD")
 ORTHOGONAL_TOL = 1e-2  # column cosines of U below this count as orthogonal (bf16 storage leaves ~1e-3): no cross term
 
 CHOICES = {
     "experts": "component i of a matrix, U[:, i] V[i, :] (σ folded into both factors as √σ); the pool is the base "
                "compressor's own factorization at rank r_max, so mask = first K is the static baseline exactly",
-    "k": "K per matrix = the base's static rank at the same keep (svd-llm: floor(keep·out·in/(out+in)); "
+    "k": "K per matrix = the base's static rank at the same keep (svd-llm, svd: floor(keep·out·in/(out+in)); "
          "basis-sharing: the shared rank of the group), so per-token compute matches the static baseline",
     "r_max": "min(ceil(pool_factor·K), min(out, in)); resident memory is r_max components per matrix",
     "router_granularity": "one linear router per weight matrix (layer × q,k,v,o,gate,up,down); q/k/v (and "

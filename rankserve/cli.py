@@ -19,7 +19,7 @@ app.add_typer(bench_app, name="bench")
 
 FAMILIES = ("hf", "llama2c", "svd-llm", "svd-llm-v2", "dobi-svd", "basis-sharing")
 METHODS = ("svd", "svd-llm", "basis-sharing")
-PARSE_BASES = ("svd-llm", "basis-sharing")  # compress.parse.BASES (not imported here: it pulls in torch)
+PARSE_BASES = ("svd-llm", "basis-sharing", "svd")  # compress.parse.BASES (not imported here: it pulls in torch)
 
 
 def _fail(msg: str) -> None:

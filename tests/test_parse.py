@@ -1,8 +1,8 @@
 """PARSE: STE gradients, aggregation invariance, masks vs gathered factors, subset validation, engine rank reuse.
 
 Run alone: .venv/bin/python -m pytest tests/test_parse.py -q
-Builds small PARSE checkpoints of the bundled stories260K (svd-llm and basis-sharing pools) once per module;
-4 s on 2 idle cores (about 25 s while other jobs load them).
+Builds small PARSE checkpoints of the bundled stories260K (svd-llm, basis-sharing and plain-SVD pools) once per
+module; 6 s on 2 idle cores (about 35 s while other jobs load them).
 """
 
 import json
@@ -27,7 +27,7 @@ TRAIN = TrainConfig(windows=48, window=32, prompt_len=16, batch_size=16, collect
                     save_every=2, kd_batch=4, kd_eval=8)
 
 
-@pytest.fixture(scope="module", params=["svd-llm", "basis-sharing"])
+@pytest.fixture(scope="module", params=["svd-llm", "basis-sharing", "svd"])
 def parse_dir(request, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp(f"parse-{request.param}") / "ckpt"
     return build_parse_checkpoint(STORIES, out, keep=0.6, pool_factor=2.0, calib_text=CALIB, train_text=CALIB,
@@ -150,6 +150,28 @@ def test_checkpoint_records_parse_state(parse_dir):
     if base == "basis-sharing":
         assert man["groups"] and all(model.projections()[ms[0]].V is model.projections()[ms[1]].V
                                      for ms in man["groups"].values())
+
+
+def test_static_subset_is_the_static_checkpoint(parse_dir, tmp_path):
+    """The pool is the base compressor's own factorization at r_max: its first K components (static_subset, wherever
+    aggregation moved them) give the logits of the static checkpoint `rankserve compress` writes at the same keep."""
+    from rankserve.compress.factorize import compress_model
+    model, man, routers = _load64(parse_dir)
+    base = man.methods["parse"]["base"]
+    static_dir = compress_model(STORIES, tmp_path / "static", base, 0.6, calib_text=CALIB, calib_tokens=2048,
+                                calib_seq_len=128, progress=False)
+    static, _ = load_checkpoint(static_dir, "cpu", torch.float64)
+    x = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(5))
+    apply(model, [routers.static_subset()] * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), static(x), rtol=1e-5, atol=1e-5)
+    clear(model)
+
+
+def test_parse_bases_listed_alike():
+    from rankserve import cli
+    from rankserve.compress.parse import BASES
+    assert cli.PARSE_BASES == BASES
 
 
 def test_permutation_leaves_outputs_unchanged(parse_dir):
