@@ -13,7 +13,7 @@ rate they stream at over the span and over the median work. Stamps cost a store 
 slower than the untraced one, which is timed in the same run for reference. Each config's untraced decoder is also
 checked: its greedy tokens against the eager runtime's (64 teacher-forced steps), whether two runs of the same
 prompt give bitwise the same logits, and whether those logits are bitwise the default config's (a schedule change
-that keeps every sum's order, e.g. gu_split, must give the same bits).
+that keeps every sum's order must give the same bits).
 
 Usage: python -m rankserve.bench.step_trace --out step-trace-h200.json [--family svd-llm --keep 0.6 --prompt 128]
        [--config NAME:FIELD=VALUE,FIELD=VALUE ...]   (StepKernelConfig fields, tiles as ROWSxWIDTH: o_u=16x512;
@@ -126,7 +126,7 @@ def trace_config(model, fields: dict, prompt: int, ref: torch.Tensor | None = No
 
 def reproducible(dec: FastDecoder, P: int, n: int) -> tuple[bool, torch.Tensor]:
     """Whether two runs of the same prompt and n teacher-forced steps give bitwise the same logits, and the first
-    run's logits (n + 1, vocab)."""
+    run's logits (n + 1, 1, vocab)."""
     torch.manual_seed(2)
     prompt = torch.randint(0, dec.cfg.vocab_size, (1, P), device=dec.tokens.device)
     steps = torch.randint(0, dec.cfg.vocab_size, (n, 1), device=dec.tokens.device)
