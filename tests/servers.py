@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -12,9 +13,20 @@ import pytest
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on every interface, drawn from 20000-32767: above Ray's worker ports (10002-19999) and below the
+    kernel's ephemeral range (32768+), from which Ray's own processes take theirs. A port the OS hands out for port 0
+    can be taken by a starting Ray process before the service binds it (seen once: the gRPC proxy failed to bind)."""
+    rng = random.SystemRandom()
+    family, any_addr = (socket.AF_INET6, "::") if socket.has_ipv6 else (socket.AF_INET, "0.0.0.0")
+    for _ in range(200):
+        port = rng.randrange(20000, 32768)
+        with socket.socket(family) as s:  # "::" binds IPv4 too (dual stack): the port is free on both
+            try:
+                s.bind((any_addr, port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port in 20000-32767")
 
 
 class RedisServer:

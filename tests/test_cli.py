@@ -158,7 +158,7 @@ def test_train_parse_bad_inputs(tmp_path):
     assert_clean_error(rankserve("train-parse", tmp_path / "nope", out, *PARSE_ARGS), "is not a directory")
     assert_clean_error(rankserve("train-parse", BUNDLED, out, *PARSE_ARGS, "--keep", "0"), "--keep must be in (0, 1]")
     assert_clean_error(rankserve("train-parse", BUNDLED, out, *PARSE_ARGS, "--keep", "1.5"), "--keep must be in (0, 1]")
-    assert_clean_error(rankserve("train-parse", BUNDLED, out, *PARSE_ARGS, "--base", "svd"), "unknown PARSE base")
+    assert_clean_error(rankserve("train-parse", BUNDLED, out, *PARSE_ARGS, "--base", "dobi"), "unknown PARSE base")
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")
     assert_clean_error(rankserve("train-parse", BUNDLED, out, *PARSE_ARGS, "--train-text", empty), "is empty")
