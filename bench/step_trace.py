@@ -89,9 +89,10 @@ def analyse(stamps: torch.Tensor, programs: int, nbytes: list[float], smid: torc
     return out
 
 
-def trace_config(model, fields: dict, prompt: int, ref: torch.Tensor | None = None) -> dict:
-    """Time the config untraced, then replay traced steps and analyse the last one. ref: the default config's logits
-    (reproducible's), to say whether this config's are bitwise the same; the first call's are kept under "_logits"."""
+def trace_config(model, fields: dict, prompt: int, ref: torch.Tensor | None = None) -> tuple[dict, torch.Tensor]:
+    """Time the config untraced, then replay traced steps and analyse the last one. Returns the results and the
+    untraced decoder's logits (reproducible's); ref: the default config's, to say whether this config's are bitwise
+    the same."""
     from rankserve.kernels.step_kernel import StepKernelConfig
     out = {}
     fields = dict(fields)
@@ -106,11 +107,8 @@ def trace_config(model, fields: dict, prompt: int, ref: torch.Tensor | None = No
         out["traced_ms" if traced else "ms"] = statistics.median(ms)
         if not traced:  # correctness gates the timing: greedy tokens against the eager runtime's
             out["greedy"] = greedy_match(model, dec, prompt, 64)
-            same, logits = reproducible(dec, prompt, 16)
-            out["bitwise_reproducible"] = same
-            if ref is None:
-                out["_logits"] = logits
-            else:
+            out["bitwise_reproducible"], logits = reproducible(dec, prompt, 16)
+            if ref is not None:
                 out["bitwise_same_as_default"] = bool(torch.equal(logits, ref))
         if traced:
             torch.cuda.synchronize()
@@ -121,7 +119,7 @@ def trace_config(model, fields: dict, prompt: int, ref: torch.Tensor | None = No
                                  smid=sk.trace[:, -1].cpu()))
         del dec
         torch.cuda.empty_cache()
-    return out
+    return out, logits
 
 
 def reproducible(dec: FastDecoder, P: int, n: int) -> tuple[bool, torch.Tensor]:
@@ -211,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     ref = None  # the default config's logits
     for name, fields in configs.items():
         try:
-            out = trace_config(model, fields, args.prompt, ref)
-            ref = out.pop("_logits", ref)
+            out, logits = trace_config(model, fields, args.prompt, ref)
+            ref = logits if ref is None else ref
             res["configs"][name] = dict(fields=fields, **out)
         except Exception as e:  # one bad config (compile error, unknown field) must not lose the rest
             res["configs"][name] = dict(fields=fields, error=repr(e)[:2000])
