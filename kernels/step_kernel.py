@@ -132,14 +132,6 @@ class StepKernelConfig:
     # step-trace-h200-s11-*.json). 2 / 3 / 4 tiles: 2.830 / 2.833 / 2.834 vs 2.824 / 2.828 / 2.827 for one
     # (step-trace-h200-s12-attpf.json, code in commit 0ddab14: at prompt 128 each of the 4 splits holds one tile)
     att_prefetch: bool = True
-    # GPU: gate/up V's weights asked of L2 around the attention stage, whose span streams ~0.5 TB/s of dependent
-    # round trips, so the memory system is idle while attention, o V and o U run: the first `ahead` tiles of each
-    # program's gate/up V sequence (its items x tiles: up to 7 tiles of 2 x 4096 at the 7B shape), asked before
-    # the attention stage's wait (ahead_at_start) or after the program leaves it; ahead_evict_last: with the
-    # evict_last L2 hint (the weight loads between are evict_first)
-    ahead: int = 0
-    ahead_at_start: bool = False
-    ahead_evict_last: bool = False
     num_warps: int = 4  # 8 warps measured slower: 3.54 ms at one program an SM, 3.95-4.13 with registers capped for
     # two (spills; step-trace-h200-s9-warps.json)
     # GPU: the first tiles of a program's (items x tiles of K) sequence of a stage asked of L2 before it waits for
@@ -172,8 +164,6 @@ class StepKernelConfig:
                              f"{self.down_v[1]}-column blocks")
         if self.prefetch < 0:
             raise ValueError(f"prefetch must be >= 0 tiles, got {self.prefetch}")
-        if not 0 <= self.ahead <= 16:
-            raise ValueError(f"ahead must be in [0, 16] tiles, got {self.ahead}")
         if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"maxnreg must be in [24, 255] or None, got {self.maxnreg}")
 
@@ -216,7 +206,7 @@ def _leave(ctr_ptr, sid):
 
 @triton.jit
 def _l2_prefetch(w_ptr, rank, P, mine, nk, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 TILES: tl.constexpr, LAST: tl.constexpr = False):
+                 TILES: tl.constexpr):
     """Ask L2 for the first TILES tiles (BLOCK_N rows x BLOCK_K columns of w, row-major with K columns) of this
     program's pipelined sequence (its items x tiles of K, _position order), one `prefetch.global.L2` per 128-byte
     line (inline PTX: GPU only). Issued before a stage's wait, so the first tiles come from L2 and a program that
@@ -224,31 +214,17 @@ def _l2_prefetch(w_ptr, rank, P, mine, nk, N, K, BLOCK_N: tl.constexpr, BLOCK_K:
     for j in tl.static_range(TILES):
         i, kc, _ = _position(j, nk, rank, P)
         offs_n = i * BLOCK_N + tl.arange(0, BLOCK_N)
-        _prefetch_tile(w_ptr, offs_n, (offs_n < N) & (j < mine * nk), K, kc * BLOCK_K, BLOCK_K, LAST)
+        _prefetch_tile(w_ptr, offs_n, (offs_n < N) & (j < mine * nk), K, kc * BLOCK_K, BLOCK_K)
 
 
 @triton.jit
-def _prefetch_tile(w_ptr, rows, ok, K, k0, BLOCK_K: tl.constexpr, LAST: tl.constexpr = False):
-    """`prefetch.global.L2` of columns [k0, k0 + BLOCK_K) (clipped to K) of the rows of w (K columns) where ok
-    (LAST: with the L2 evict_last hint)."""
+def _prefetch_tile(w_ptr, rows, ok, K, k0, BLOCK_K: tl.constexpr):
+    """`prefetch.global.L2` of columns [k0, k0 + BLOCK_K) (clipped to K) of the rows of w (K columns) where ok."""
     STEP: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements a 128-byte line
     cols = tl.minimum(k0 + tl.arange(0, BLOCK_K // STEP) * STEP, tl.maximum(K - STEP, 0))
     ptrs = w_ptr + tl.where(ok, rows, 0)[:, None] * K + cols[None, :]  # masked rows: row 0 again (in L2 by then)
-    if LAST:
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit(noinline=True)
-def _ahead(w_ptr, rank, P, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr,
-           LAST: tl.constexpr):
-    """Ask L2 for the first TILES tiles of this program's sequence of a later V stage (N rows, K columns, the
-    stage's tiles), stages ahead of it (StepKernelConfig.ahead)."""
-    nk = tl.cdiv(K, BLOCK_K)
-    _l2_prefetch(w_ptr, rank, P, _mine(tl.cdiv(N, BLOCK_N), rank, P), nk, N, K, BLOCK_N, BLOCK_K, TILES, LAST)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -658,8 +634,7 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
                  XO_HIDDEN: tl.constexpr, WIL: tl.constexpr,
                  XO_INTER: tl.constexpr, SPLIT_DV: tl.constexpr, DU_PARTS: tl.constexpr,
                  UT_O: tl.constexpr, UT_D: tl.constexpr,
-                 PREFETCH_ATT: tl.constexpr, AHEAD: tl.constexpr, AHEAD_START: tl.constexpr,
-                 AHEAD_LAST: tl.constexpr,
+                 PREFETCH_ATT: tl.constexpr,
                  PREFETCH: tl.constexpr, TRACE: tl.constexpr):
     D: tl.constexpr = 2 * HALF
     NS = L * SLOTS + 1  # stages: SLOTS a layer, then the head
@@ -686,13 +661,9 @@ def _step_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, t_ptr, q_ptr, a_ptr, m_ptr, l
                      BK_QKV_U, STAGES_U, PREFETCH)
         blk = ctr_ptr + blk_off + layer * tl.cdiv(inter, BK_DOWN_V) * PAD  # this layer's down V block counters
         _stamp(trace_ptr, rank, s0 + 2, NS, TRACE)
-        if AHEAD > 0 and AHEAD_START:
-            _ahead(_weight(w_ptr, mp, 6), rank, P, rg + ru, hidden, BN_GATE_UP_V, BK_GATE_UP_V, AHEAD, AHEAD_LAST)
         _attention_stage(ctr_ptr, rank, P, s0 + 2, s0 + 1, P, q_ptr, kc, vc, stride_ks, stride_kh, pos + 1, a_ptr,
                          mid_o_ptr, mid_lse_ptr, ctr_ptr + (L * SLOTS + 2) * PAD + layer * HKV, qk_scale, H // HKV,
                          HKV, D, D_PAD, BLOCK_H, ATT_BLOCK_N, NUM_SPLITS, SPLITS_PAD, DOT_PREC, PREFETCH_ATT)
-        if AHEAD > 0 and not AHEAD_START:
-            _ahead(_weight(w_ptr, mp, 6), rank, P, rg + ru, hidden, BN_GATE_UP_V, BK_GATE_UP_V, AHEAD, AHEAD_LAST)
         _stamp(trace_ptr, rank, s0 + 4, NS, TRACE)
         _gemv_stage(ctr_ptr, rank, P, s0 + 4, s0 + 2, P, a_ptr, _weight(w_ptr, mp, 4), t_ptr, ro, H * D, eps, False,
                     False, BN_O_V, BK_O_V, STAGES, PREFETCH, XO_HIDDEN, WIL)
@@ -785,8 +756,7 @@ class StepKernel:
             XO_HIDDEN=k.x_once and max(cfg.hidden_size, H * D) <= min(tiles[f"BK_{n}"] for n in XO_STAGES),
             XO_INTER=k.x_once and cfg.intermediate_size <= tiles["BK_DOWN_V"], WIL=k.wait_in_loop,
             SPLIT_DV=k.split_down_v, DU_PARTS=self.du_parts, **self.reg_tiles,
-            PREFETCH_ATT=k.att_prefetch and gpu, AHEAD=k.ahead if gpu else 0,
-            AHEAD_START=k.ahead_at_start, AHEAD_LAST=k.ahead_evict_last, PREFETCH=k.prefetch if gpu else 0, TRACE=k.trace and gpu,
+            PREFETCH_ATT=k.att_prefetch and gpu, PREFETCH=k.prefetch if gpu else 0, TRACE=k.trace and gpu,
             num_warps=k.num_warps if gpu else 1, **({"maxnreg": k.maxnreg} if gpu and k.maxnreg else {}))
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if self.on_gpu else 1
         # one program an SM until the compiled kernel's occupancy is known (the first run); the interpreter runs

@@ -90,8 +90,7 @@ def compile_step_ptx(num_splits: int = 4, kind: str = "ptx", **fields) -> str:
                   STAGES_DV=k.dv_stages, XO_HIDDEN=k.x_once, XO_INTER=False, WIL=k.wait_in_loop,
                   SPLIT_DV=k.split_down_v, DU_PARTS=3 if k.split_down_v else 1,
                   UT_O=3 if k.u_once else 0, UT_D=2 if k.u_once else 0,  # ranks 1232 / 1792 in 512 / 1024 tiles
-                  PREFETCH_ATT=k.att_prefetch, AHEAD=k.ahead, AHEAD_START=k.ahead_at_start,
-                  AHEAD_LAST=k.ahead_evict_last,
+                  PREFETCH_ATT=k.att_prefetch,
                   PREFETCH=k.prefetch,
                   TRACE=False, **k.constexprs(True, 64))
     sig = {n: STEP_POINTERS.get(n, "i32" if n in STEP_INTS else "fp32") for n in names if n not in consts}
