@@ -1,0 +1,194 @@
+"""How fast can one program's GEMV loop stream weights: pointer loads (cp.async) vs TMA (GPU diagnostics).
+
+The one-launch step (kernels/step_kernel.py) streams every weight through a software-pipelined loop of pointer loads
+(`tl.load` of a (rows x width) tile, which triton lowers to `cp.async` copies into shared memory, STAGES - 1 tiles
+ahead). With no stage waits at all the step still takes 2.60 ms (bench/sync_probe.py): 75 % of the copy bandwidth,
+so the loop itself, not only the synchronization, stands between the step and 80 %. This probe times that loop alone
+at the step's shapes, against the same loop reading its tiles through a tensor descriptor (TMA bulk copies, one
+instruction a box, completion on an mbarrier instead of per-thread copy groups):
+
+    a persistent grid (2 programs an SM, as the step) walks the items of L layers' weights (L * N rows of K
+    columns, one contiguous buffer, far larger than L2), item g = rank, rank + P, ... with no synchronization, each
+    program's steps (its items x tiles of K) in one `tl.range(..., num_stages=STAGES)` loop; y = W x per layer.
+
+Rows: the mode (ptr / tma), the shape (a V stage: gate/up V; U stages: gate U, o U), the tile and the depth, with
+the ms of one pass (median of the repeats), the TB/s it streams at, and its share of the copy bandwidth measured in
+the same run. Every result is checked against torch's W x before it is timed.
+
+Usage: python -m rankserve.bench.stream_probe --out bench/results/stream-probe-h200.json
+       python -m rankserve.bench.stream_probe --markdown bench/results/stream-probe-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass
+class ProbeCase:
+    name: str  # the step's stage it stands for
+    n: int  # weight rows (outputs) a layer
+    k: int  # weight columns (the reduction)
+    block_n: int  # rows an item
+    block_k: int  # columns a tile
+    layers: int = 32
+
+
+# the step's shapes at the LLaMA-7B shape, keep 0.6 (svd-llm ranks, padded to 16), with its GPU tiles
+CASES = (
+    ProbeCase("gate/up V", 3584, 4096, 2, 4096),
+    ProbeCase("gate U", 11008, 1792, 8, 1024),
+    ProbeCase("o U", 4096, 1232, 16, 512),
+)
+
+
+@triton.jit
+def _stream_kernel(w_ptr, w_desc, x_ptr, y_ptr, layers, N, K, TMA: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, STAGES: tl.constexpr, X_ONCE: tl.constexpr):
+    """y[l, n] = sum_k W[l, n, k] x[k] over this program's items of all layers (item g: layer g // items, rows
+    (g % items) * BLOCK_N ...), one pipelined loop over (items x tiles of K), as the step kernel's stages walk
+    theirs. TMA: tiles through w_desc (a descriptor over W as (layers * N, K), box BLOCK_N x BLOCK_K). X_ONCE
+    (K <= BLOCK_K, the V stages): x read once into registers before the loop, as the step's x_once; otherwise a
+    tile a step through the pipeline, as its gate/up U and q/k/v U."""
+    rank = tl.program_id(0)
+    P = tl.num_programs(0)
+    nk = tl.cdiv(K, BLOCK_K)
+    items = tl.cdiv(N, BLOCK_N)
+    mine = tl.cdiv(tl.maximum(layers * items - rank, 0), P)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    x1 = tl.load(x_ptr + tl.arange(0, BLOCK_K), mask=tl.arange(0, BLOCK_K) < K, other=0.0).to(tl.float32)
+    for j in tl.range(0, mine * nk, num_stages=STAGES):
+        it = j // nk
+        kc = j - it * nk
+        g = rank + it * P
+        layer = g // items
+        offs_n = (g - layer * items) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = kc * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask_n = offs_n < N
+        mask_k = offs_k < K
+        if TMA:  # out-of-bounds columns of the box come back as zeros
+            w = w_desc.load([layer * N + (g - layer * items) * BLOCK_N, kc * BLOCK_K])
+        else:
+            w = tl.load(w_ptr + (layer * N + offs_n)[:, None].to(tl.int64) * K + offs_k[None, :],
+                        mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
+        if X_ONCE:
+            x = x1
+        else:
+            x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0, cache_modifier=".cg").to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if kc == nk - 1:
+            tl.store(y_ptr + layer * N + offs_n, acc, mask=mask_n & (layer * N + offs_n < layers * N))
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+
+
+def stream(w: torch.Tensor, x: torch.Tensor, case: ProbeCase, tma: bool, stages: int, programs: int) -> torch.Tensor:
+    """One pass of the probe kernel over w (layers * N, K): y (layers * N,) fp32."""
+    y = torch.zeros(w.shape[0], dtype=torch.float32, device=w.device)
+    desc = None
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        desc = TensorDescriptor.from_tensor(w, [case.block_n, case.block_k])
+    _stream_kernel[(programs,)](w, desc, x, y, case.layers, case.n, case.k, TMA=tma, BLOCK_N=case.block_n,
+                                BLOCK_K=case.block_k, STAGES=stages, X_ONCE=case.k <= case.block_k, num_warps=4)
+    return y
+
+
+def check(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Largest error of y against torch's fp32 W x, relative to the largest |W x|."""
+    ref = w.float() @ x.float()
+    return float((y - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+
+
+def time_pass(fn, repeats: int) -> list[float]:
+    """ms of fn() on the GPU, `repeats` times after two warm-ups."""
+    out = []
+    for i in range(repeats + 2):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        if i >= 2:
+            out.append(s.elapsed_time(e))
+    return out
+
+
+def markdown(res: dict) -> str:
+    """The probe's rows as a markdown table: a row a (stage, mode), a column a pipeline depth, TB/s (share of the
+    copy bandwidth measured in the same run)."""
+    depths = sorted({r["stages"] for r in res["rows"]})
+    lines = [f"{res['gpu']}, triton {res.get('triton', '?')}, copy bandwidth {res['copy_bw'] / 1e12:.2f} TB/s, "
+             f"{res['programs']} programs; TB/s of one pass over 32 layers (median of the repeats)", "",
+             "| stage (tile) | loads | " + " | ".join(f"{d} deep" for d in depths) + " |",
+             "| --- | --- |" + " --- |" * len(depths)]
+    keys = list(dict.fromkeys((r["case"]["name"], r["mode"]) for r in res["rows"]))
+    for name, mode in keys:
+        cells = []
+        for d in depths:
+            row = next((r for r in res["rows"] if (r["case"]["name"], r["mode"], r["stages"]) == (name, mode, d)),
+                       None)
+            if row is None:
+                cells.append("")
+            elif "error" in row:
+                cells.append("error")
+            else:
+                cells.append(f"{row['TB_s']:.2f} ({row['of_copy_bw']:.0%})")
+        case = next(r["case"] for r in res["rows"] if r["case"]["name"] == name)
+        tile = f"{case['block_n']} x {case['block_k']} of {case['n']} x {case['k']}"
+        lines.append(f"| {name} ({tile}) | {'TMA' if mode == 'tma' else 'pointer (cp.async)'} | " + " | ".join(cells)
+                     + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m rankserve.bench.stream_probe", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench/results/stream-probe.json")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--stages", type=int, nargs="+", default=[3, 4, 6], help="pipeline depths to time")
+    ap.add_argument("--markdown", metavar="JSON", help="render a result JSON as a markdown table and exit")
+    args = ap.parse_args(argv)
+    if args.markdown:
+        import json
+        print(markdown(json.loads(Path(args.markdown).read_text())))
+        return 0
+    if not torch.cuda.is_available():
+        print("error: bench stream_probe needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from rankserve.bench.decode import copy_bandwidth, write_json
+    dev = torch.device("cuda")
+    programs = 2 * torch.cuda.get_device_properties(dev).multi_processor_count
+    res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               copy_bw=copy_bandwidth("cuda"), programs=programs, rows=[])
+    print(f"{res['gpu']}: copy {res['copy_bw'] / 1e12:.2f} TB/s, {programs} programs", flush=True)
+    for case in CASES:
+        w = torch.randn(case.layers * case.n, case.k, device=dev).to(torch.bfloat16)
+        x = torch.randn(case.k, device=dev)
+        nbytes = w.numel() * w.element_size()
+        for tma in (False, True):
+            for stages in args.stages:
+                row = dict(case=asdict(case), mode="tma" if tma else "ptr", stages=stages, bytes=nbytes)
+                try:
+                    row["rel_err"] = check(w, x, stream(w, x, case, tma, stages, programs))
+                    ms = time_pass(lambda: stream(w, x, case, tma, stages, programs), args.repeats)
+                    row.update(ms=statistics.median(ms), ms_min=min(ms), ms_max=max(ms))
+                    row["TB_s"] = nbytes / (row["ms"] / 1e3) / 1e12
+                    row["of_copy_bw"] = row["TB_s"] * 1e12 / res["copy_bw"]
+                except Exception as e:  # one variant that does not compile must not lose the others
+                    row["error"] = repr(e)[:1500]
+                res["rows"].append(row)
+                print({k: v for k, v in row.items() if k != "case"}, case.name, flush=True)
+                write_json(Path(args.out), res)
+        del w
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
