@@ -89,6 +89,37 @@ def _stream_kernel(w_ptr, w_desc, x_ptr, y_ptr, layers, N, K, TMA: tl.constexpr,
             acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
 
 
+@triton.jit
+def _read_kernel(w_ptr, out_ptr, tiles, BLOCK: tl.constexpr, STAGES: tl.constexpr, CONTIGUOUS: tl.constexpr):
+    """out[rank] = the sum of this program's BLOCK-element tiles of w (`tiles` of them in all): a run of consecutive
+    tiles (CONTIGUOUS) or tiles rank, rank + P, ... (the step's way of dealing items); a pure read, no x."""
+    rank = tl.program_id(0)
+    P = tl.num_programs(0)
+    if CONTIGUOUS:
+        q = tiles // P
+        first = rank * q + tl.minimum(rank, tiles - q * P)
+        mine = q + (rank < tiles - q * P).to(tl.int32)
+    else:
+        first = rank
+        mine = tl.cdiv(tl.maximum(tiles - rank, 0), P)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.range(0, mine, num_stages=STAGES):
+        t = tl.where(CONTIGUOUS, first + j, rank + j * P)
+        acc += tl.load(w_ptr + t.to(tl.int64) * BLOCK + tl.arange(0, BLOCK), eviction_policy="evict_first").to(
+            tl.float32)
+    tl.store(out_ptr + rank, tl.sum(acc, axis=0))
+
+
+def read(w: torch.Tensor, block: int, stages: int, programs: int, contiguous: bool) -> torch.Tensor:
+    """One pure-read pass over w (numel a multiple of block): each program's partial sum, (programs,) fp32."""
+    if w.numel() % block:
+        raise ValueError(f"read: {w.numel()} elements are not whole tiles of {block}")
+    out = torch.zeros(programs, dtype=torch.float32, device=w.device)
+    _read_kernel[(programs,)](w, out, w.numel() // block, BLOCK=block, STAGES=stages, CONTIGUOUS=contiguous,
+                              num_warps=4)
+    return out
+
+
 def stream(w: torch.Tensor, x: torch.Tensor, case: ProbeCase, tma: bool, stages: int, programs: int) -> torch.Tensor:
     """One pass of the probe kernel over w (layers * N, K): y (layers * N,) fp32."""
     y = torch.zeros(w.shape[0], dtype=torch.float32, device=w.device)
@@ -145,6 +176,11 @@ def markdown(res: dict) -> str:
         tile = f"{case['block_n']} x {case['block_k']} of {case['n']} x {case['k']}"
         lines.append(f"| {name} ({tile}) | {'TMA' if mode == 'tma' else 'pointer (cp.async)'} | " + " | ".join(cells)
                      + " |")
+    if res.get("reads"):
+        lines += ["", "| pure read of the gate U case's bytes (16 KB tiles) | depth | TB/s |", "| --- | --- | --- |"]
+        for r in res["reads"]:
+            cell = "error" if "error" in r else f"{r['TB_s']:.2f} ({r['of_copy_bw']:.0%})"
+            lines.append(f"| {r['mode']} | {r['stages'] or ''} | {cell} |")
     return "\n".join(lines)
 
 
@@ -187,6 +223,28 @@ def main(argv: list[str] | None = None) -> int:
                 print({k: v for k, v in row.items() if k != "case"}, case.name, flush=True)
                 write_json(Path(args.out), res)
         del w
+    # the ceiling: pure reads of the largest case's bytes (no x, no per-row sums), 16 KB tiles, dealt to the programs
+    # in runs of consecutive tiles or one by one as the step deals its items; and torch's own sum
+    case = max(CASES, key=lambda c: c.n * c.k)
+    w = torch.randn(case.layers * case.n, case.k, device=dev).to(torch.bfloat16)
+    nbytes = w.numel() * w.element_size()
+    ref = float(w.double().sum())
+    variants = [(f"read, {'runs' if c else 'dealt'}", lambda d=d, c=c: read(w, 8192, d, programs, c), d)
+                for c in (True, False) for d in args.stages]
+    variants.append(("torch sum", lambda: w.sum(dtype=torch.float32).reshape(1), 0))
+    for mode, fn, stages in variants:
+        row = dict(mode=mode, stages=stages, bytes=nbytes)
+        try:
+            row["rel_err"] = abs(float(fn().double().sum()) - ref) / float(w.double().abs().sum())
+            ms = time_pass(fn, args.repeats)
+            row.update(ms=statistics.median(ms), ms_min=min(ms), ms_max=max(ms))
+            row["TB_s"] = nbytes / (row["ms"] / 1e3) / 1e12
+            row["of_copy_bw"] = row["TB_s"] * 1e12 / res["copy_bw"]
+        except Exception as e:
+            row["error"] = repr(e)[:1500]
+        res.setdefault("reads", []).append(row)
+        print(row, flush=True)
+        write_json(Path(args.out), res)
     return 0
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rankserve.bench import stream_probe
-from rankserve.bench.stream_probe import ProbeCase, check, stream
+from rankserve.bench.stream_probe import ProbeCase, check, read, stream
 
 
 @pytest.mark.parametrize("tma", [False, True])
@@ -50,3 +50,12 @@ def test_markdown_has_a_row_per_stage_and_mode_and_marks_errors():
     assert md[2] == "| stage (tile) | loads | 3 deep | 4 deep |"
     assert md[4] == "| o U (16 x 512 of 4096 x 1232) | pointer (cp.async) | 2.10 (50%) | 2.50 (60%) |"
     assert md[5] == "| o U (16 x 512 of 4096 x 1232) | TMA | error |  |"
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_read_kernel_sums_every_tile_once(contiguous):
+    w = torch.randn(7 * 64).to(torch.bfloat16)  # 7 tiles over 3 programs: uneven shares
+    out = read(w, 64, stages=3, programs=3, contiguous=contiguous)
+    assert torch.allclose(out.sum().double(), w.double().sum(), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="whole tiles"):
+        read(w[:100], 64, 3, 3, contiguous)
