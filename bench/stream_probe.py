@@ -13,7 +13,9 @@ instruction a box, completion on an mbarrier instead of per-thread copy groups):
 
 Rows: the mode (ptr / tma), the shape (a V stage: gate/up V; U stages: gate U, o U), the tile and the depth, with
 the ms of one pass (median of the repeats), the TB/s it streams at, and its share of the copy bandwidth measured in
-the same run. Every result is checked against torch's W x before it is timed.
+the same run. Every result is checked against torch's W x before it is timed. Then the ceiling: pure reads of the
+largest case's bytes (16 KB tiles, each program a run of consecutive tiles or tiles dealt one by one as the step
+deals its items) and torch's own sum.
 
 Usage: python -m rankserve.bench.stream_probe --out bench/results/stream-probe-h200.json
        python -m rankserve.bench.stream_probe --markdown bench/results/stream-probe-h200.json
