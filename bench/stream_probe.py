@@ -49,17 +49,22 @@ CASES = (
     ProbeCase("gate/up V", 3584, 4096, 2, 4096),
     ProbeCase("gate U", 11008, 1792, 8, 1024),
     ProbeCase("o U", 4096, 1232, 16, 512),
+    ProbeCase("q/k/v U", 3 * 4096, 1232, 8, 512),
+    ProbeCase("down U", 4096, 1792, 8, 1024),
 )
+MODES = ("ptr", "tma", "tiled")  # pointer loads of row-major W; TMA; pointer loads of W stored tile by tile
 
 
 @triton.jit
 def _stream_kernel(w_ptr, w_desc, x_ptr, y_ptr, layers, N, K, TMA: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, STAGES: tl.constexpr, X_ONCE: tl.constexpr):
+                   BLOCK_K: tl.constexpr, STAGES: tl.constexpr, X_ONCE: tl.constexpr, TILED: tl.constexpr = False):
     """y[l, n] = sum_k W[l, n, k] x[k] over this program's items of all layers (item g: layer g // items, rows
     (g % items) * BLOCK_N ...), one pipelined loop over (items x tiles of K), as the step kernel's stages walk
     theirs. TMA: tiles through w_desc (a descriptor over W as (layers * N, K), box BLOCK_N x BLOCK_K). X_ONCE
     (K <= BLOCK_K, the V stages): x read once into registers before the loop, as the step's x_once; otherwise a
-    tile a step through the pipeline, as its gate/up U and q/k/v U."""
+    tile a step through the pipeline, as its gate/up U and q/k/v U. TILED: w_ptr holds W tile-major (tile_major:
+    every BLOCK_N x BLOCK_K tile one contiguous run, in (layer, item, tile of K) order), so a step reads one run of
+    up to 16 KB instead of BLOCK_N row segments."""
     rank = tl.program_id(0)
     P = tl.num_programs(0)
     nk = tl.cdiv(K, BLOCK_K)
@@ -78,6 +83,10 @@ def _stream_kernel(w_ptr, w_desc, x_ptr, y_ptr, layers, N, K, TMA: tl.constexpr,
         mask_k = offs_k < K
         if TMA:  # out-of-bounds columns of the box come back as zeros
             w = w_desc.load([layer * N + (g - layer * items) * BLOCK_N, kc * BLOCK_K])
+        elif TILED:  # padding rows / columns of the last tiles are masked: never read
+            base = (g.to(tl.int64) * nk + kc) * (BLOCK_N * BLOCK_K)
+            w = tl.load(w_ptr + base + tl.arange(0, BLOCK_N)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :],
+                        mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
         else:
             w = tl.load(w_ptr + (layer * N + offs_n)[:, None].to(tl.int64) * K + offs_k[None, :],
                         mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
@@ -122,15 +131,32 @@ def read(w: torch.Tensor, block: int, stages: int, programs: int, contiguous: bo
     return out
 
 
-def stream(w: torch.Tensor, x: torch.Tensor, case: ProbeCase, tma: bool, stages: int, programs: int) -> torch.Tensor:
-    """One pass of the probe kernel over w (layers * N, K): y (layers * N,) fp32."""
+def tile_major(w: torch.Tensor, case: ProbeCase) -> torch.Tensor:
+    """w (layers * N, K) stored tile by tile: (layers, items, tiles of K, BLOCK_N, BLOCK_K), zero-padded to whole
+    tiles (the kernel masks the padding, so it is never read), flattened."""
+    L, bn, bk = case.layers, case.block_n, case.block_k
+    items, nk = -(-case.n // bn), -(-case.k // bk)
+    p = torch.zeros(L, items * bn, nk * bk, dtype=w.dtype, device=w.device)
+    p[:, :case.n, :case.k] = w.view(L, case.n, case.k)
+    return p.view(L, items, bn, nk, bk).permute(0, 1, 3, 2, 4).contiguous().view(-1)
+
+
+def stream(w: torch.Tensor, x: torch.Tensor, case: ProbeCase, mode: str, stages: int, programs: int,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """One pass of the probe kernel over w (layers * N, K) in `mode` (MODES; "tiled" reads `packed`, tile_major's
+    copy of w): y (layers * N,) fp32."""
+    if mode not in MODES:
+        raise ValueError(f"stream: mode {mode!r} is not one of {MODES}")
+    if mode == "tiled" and packed is None:
+        packed = tile_major(w, case)
     y = torch.zeros(w.shape[0], dtype=torch.float32, device=w.device)
     desc = None
-    if tma:
+    if mode == "tma":
         from triton.tools.tensor_descriptor import TensorDescriptor
         desc = TensorDescriptor.from_tensor(w, [case.block_n, case.block_k])
-    _stream_kernel[(programs,)](w, desc, x, y, case.layers, case.n, case.k, TMA=tma, BLOCK_N=case.block_n,
-                                BLOCK_K=case.block_k, STAGES=stages, X_ONCE=case.k <= case.block_k, num_warps=4)
+    _stream_kernel[(programs,)](packed if mode == "tiled" else w, desc, x, y, case.layers, case.n, case.k,
+                                TMA=mode == "tma", BLOCK_N=case.block_n, BLOCK_K=case.block_k, STAGES=stages,
+                                X_ONCE=case.k <= case.block_k, TILED=mode == "tiled", num_warps=4)
     return y
 
 
@@ -166,18 +192,13 @@ def markdown(res: dict) -> str:
     for name, mode in keys:
         cells = []
         for d in depths:
-            row = next((r for r in res["rows"] if (r["case"]["name"], r["mode"], r["stages"]) == (name, mode, d)),
-                       None)
-            if row is None:
-                cells.append("")
-            elif "error" in row:
-                cells.append("error")
-            else:
-                cells.append(f"{row['TB_s']:.2f} ({row['of_copy_bw']:.0%})")
+            rows = [r for r in res["rows"] if (r["case"]["name"], r["mode"], r["stages"]) == (name, mode, d)]
+            cells.append(" / ".join("error" if "error" in r else f"{r['TB_s']:.2f} ({r['of_copy_bw']:.0%})"
+                                    for r in rows))  # one a round
         case = next(r["case"] for r in res["rows"] if r["case"]["name"] == name)
         tile = f"{case['block_n']} x {case['block_k']} of {case['n']} x {case['k']}"
-        lines.append(f"| {name} ({tile}) | {'TMA' if mode == 'tma' else 'pointer (cp.async)'} | " + " | ".join(cells)
-                     + " |")
+        loads = {"tma": "TMA", "ptr": "pointer (cp.async)", "tiled": "pointer, W stored tile by tile"}[mode]
+        lines.append(f"| {name} ({tile}) | {loads} | " + " | ".join(cells) + " |")
     if res.get("reads"):
         lines += ["", "| pure read of the gate U case's bytes (16 KB tiles) | depth | TB/s |", "| --- | --- | --- |"]
         for r in res["reads"]:
@@ -191,8 +212,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/stream-probe.json")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--stages", type=int, nargs="+", default=[3, 4, 6], help="pipeline depths to time")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="how the loop reads its tiles")
+    ap.add_argument("--cases", nargs="+", default=[c.name for c in CASES], metavar="NAME",
+                    help=f"stages to probe, of: {', '.join(c.name for c in CASES)}")
+    ap.add_argument("--rounds", type=int, default=1, help="time every variant this many times, interleaved")
+    ap.add_argument("--no-reads", action="store_true", help="skip the pure-read ceiling")
     ap.add_argument("--markdown", metavar="JSON", help="render a result JSON as a markdown table and exit")
     args = ap.parse_args(argv)
+    cases = [c for c in CASES if c.name in args.cases]
+    unknown = set(args.cases) - {c.name for c in CASES}
+    if unknown:
+        print(f"error: unknown case(s) {sorted(unknown)}; known: {[c.name for c in CASES]}", file=sys.stderr)
+        return 2
     if args.markdown:
         import json
         print(markdown(json.loads(Path(args.markdown).read_text())))
@@ -206,25 +237,32 @@ def main(argv: list[str] | None = None) -> int:
     res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                copy_bw=copy_bandwidth("cuda"), programs=programs, rows=[])
     print(f"{res['gpu']}: copy {res['copy_bw'] / 1e12:.2f} TB/s, {programs} programs", flush=True)
-    for case in CASES:
+    for case in cases:
         w = torch.randn(case.layers * case.n, case.k, device=dev).to(torch.bfloat16)
         x = torch.randn(case.k, device=dev)
+        packed = tile_major(w, case) if "tiled" in args.modes else None
         nbytes = w.numel() * w.element_size()
-        for tma in (False, True):
-            for stages in args.stages:
-                row = dict(case=asdict(case), mode="tma" if tma else "ptr", stages=stages, bytes=nbytes)
-                try:
-                    row["rel_err"] = check(w, x, stream(w, x, case, tma, stages, programs))
-                    ms = time_pass(lambda: stream(w, x, case, tma, stages, programs), args.repeats)
-                    row.update(ms=statistics.median(ms), ms_min=min(ms), ms_max=max(ms))
-                    row["TB_s"] = nbytes / (row["ms"] / 1e3) / 1e12
-                    row["of_copy_bw"] = row["TB_s"] * 1e12 / res["copy_bw"]
-                except Exception as e:  # one variant that does not compile must not lose the others
-                    row["error"] = repr(e)[:1500]
-                res["rows"].append(row)
-                print({k: v for k, v in row.items() if k != "case"}, case.name, flush=True)
-                write_json(Path(args.out), res)
-        del w
+        for rnd in range(args.rounds):
+            for mode in args.modes:
+                for stages in args.stages:
+                    row = dict(case=asdict(case), mode=mode, stages=stages, round=rnd, bytes=nbytes)
+                    try:
+                        def fn(mode=mode, stages=stages):
+                            return stream(w, x, case, mode, stages, programs, packed)
+                        if rnd == 0:
+                            row["rel_err"] = check(w, x, fn())
+                        ms = time_pass(fn, args.repeats)
+                        row.update(ms=statistics.median(ms), ms_min=min(ms), ms_max=max(ms))
+                        row["TB_s"] = nbytes / (row["ms"] / 1e3) / 1e12
+                        row["of_copy_bw"] = row["TB_s"] * 1e12 / res["copy_bw"]
+                    except Exception as e:  # one variant that does not compile must not lose the others
+                        row["error"] = repr(e)[:1500]
+                    res["rows"].append(row)
+                    print({k: v for k, v in row.items() if k != "case"}, case.name, flush=True)
+                    write_json(Path(args.out), res)
+        del w, packed
+    if args.no_reads:
+        return 0
     # the ceiling: pure reads of the largest case's bytes (no x, no per-row sums), 16 KB tiles, dealt to the programs
     # in runs of consecutive tiles or one by one as the step deals its items; and torch's own sum
     case = max(CASES, key=lambda c: c.n * c.k)
