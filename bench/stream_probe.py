@@ -49,7 +49,9 @@ CASES = (
     ProbeCase("gate/up V", 3584, 4096, 2, 4096),
     ProbeCase("gate U", 11008, 1792, 8, 1024),
     ProbeCase("o U", 4096, 1232, 16, 512),
-    ProbeCase("q/k/v U", 3 * 4096, 1232, 8, 512),
+    # the step's q/k/v U item is 8 dims of each half of a head (rows d and d + 64, the RoPE pairs): two 8 x 512
+    # tiles a step; here as 16 contiguous rows
+    ProbeCase("q/k/v U", 3 * 4096, 1232, 16, 512),
     ProbeCase("down U", 4096, 1792, 8, 1024),
 )
 MODES = ("ptr", "tma", "tiled")  # pointer loads of row-major W; TMA; pointer loads of W stored tile by tile

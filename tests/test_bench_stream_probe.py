@@ -28,7 +28,7 @@ def test_probe_cases_are_the_steps_tiles():
     from rankserve.kernels.step_kernel import StepKernelConfig
     k = StepKernelConfig()
     tiles = {c.name: (c.block_n, c.block_k) for c in stream_probe.CASES}
-    assert tiles == {"gate/up V": k.gate_up_v, "gate U": k.gate_up_u, "o U": k.o_u, "q/k/v U": k.qkv_u,
+    assert tiles == {"gate/up V": k.gate_up_v, "gate U": k.gate_up_u, "o U": k.o_u, "q/k/v U": (2 * k.qkv_u[0], k.qkv_u[1]),
                      "down U": k.down_u}
 
 
