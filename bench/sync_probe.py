@@ -9,6 +9,10 @@ kernel is first compiled, then times and traces the default config as bench/step
               (races: the logits may differ run to run), so the gap to the default is what the fences cost
     nowait    _wait returns at once: no ordering at all (wrong logits); what the weight stream takes on its own,
               the bound on what any synchronization scheme could recover
+    skip-N    only the waits on a stage of slot N (step_kernel's SLOTS: 0 q/k/v V, 1 q/k/v U, 2 attention, 4 o V,
+              5 o U, 6 gate/up V, 8 down V, 9 down U) return at once: the next stage overlaps that one's tail and
+              its barrier (wrong logits); what that one boundary costs the step, the bound on what a finer-grained
+              dependency or a fusion across it could recover (gate/up U -> down V waits on block counters, not here)
 
 The results are wrong by design: only the timings mean something. The greedy and reproducibility checks of
 step_trace still run and say how wrong.
@@ -26,7 +30,10 @@ import triton
 import triton.language as tl
 
 from rankserve.kernels import step_kernel
-from rankserve.kernels.step_kernel import PAD  # the counters' spacing (int32s a 128-byte line)
+from rankserve.kernels.step_kernel import PAD, SLOTS  # the counters' spacing (int32s a 128-byte line); slots a layer
+
+_SKIP = tl.constexpr(-1)  # skip-N: the slot whose waiters do not wait (set by weakened before the first compile)
+SKIPPABLE = (0, 1, 2, 4, 5, 6, 8, 9)  # slots whose next stage waits through _wait
 
 
 @triton.jit
@@ -41,7 +48,18 @@ def _wait_never(ctr_ptr, prev, target, first):
     pass
 
 
-PROBES = {"relaxed": ("_leave", _leave_relaxed), "nowait": ("_wait", _wait_never)}
+@triton.jit
+def _wait_skipping(ctr_ptr, prev, target, first):
+    """_wait, except for waits on a stage of slot _SKIP, which return at once."""
+    if first:
+        if prev % SLOTS != _SKIP:
+            done_ptr = ctr_ptr + (prev + 1) * PAD
+            while tl.atomic_add(done_ptr, 0, sem="acquire") < target:
+                pass
+
+
+PROBES = {"relaxed": ("_leave", _leave_relaxed), "nowait": ("_wait", _wait_never),
+          **{f"skip-{n}": ("_wait", _wait_skipping) for n in SKIPPABLE}}
 
 
 @contextlib.contextmanager
@@ -49,13 +67,18 @@ def weakened(mode: str):
     """step_kernel with one sync function swapped (before its first compile in this process), restored after."""
     if mode not in PROBES:
         raise ValueError(f"sync probe mode must be one of {sorted(PROBES)}, got {mode!r}")
+    global _SKIP
     name, fn = PROBES[mode]
     orig = getattr(step_kernel, name)
     setattr(step_kernel, name, fn)  # the stage functions look it up in the module's globals when compiled
+    skip = _SKIP
+    if mode.startswith("skip-"):
+        _SKIP = tl.constexpr(int(mode[5:]))
     try:
         yield
     finally:
         setattr(step_kernel, name, orig)
+        _SKIP = skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,12 +26,14 @@ def test_probes_swap_the_sync_functions_and_restore_them():
     ref = _one_launch_logits(model)
     leave, wait = step_kernel._leave, step_kernel._wait
     for mode, name, fn in (("relaxed", "_leave", sync_probe._leave_relaxed),
-                           ("nowait", "_wait", sync_probe._wait_never)):
+                           ("nowait", "_wait", sync_probe._wait_never),
+                           ("skip-2", "_wait", sync_probe._wait_skipping)):
         with sync_probe.weakened(mode):
             assert getattr(step_kernel, name) is fn
+            assert sync_probe._SKIP == (2 if mode == "skip-2" else -1)
             got = _one_launch_logits(model)
         torch.testing.assert_close(got, ref, rtol=0, atol=0)  # one program: the same arithmetic in the same order
-    assert step_kernel._leave is leave and step_kernel._wait is wait
+    assert step_kernel._leave is leave and step_kernel._wait is wait and sync_probe._SKIP == -1
     with pytest.raises(ValueError, match="must be one of"):
         with sync_probe.weakened("fast"):
             pass
