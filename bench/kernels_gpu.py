@@ -44,7 +44,7 @@ def _check(out, ref64, base, what):
     return {"ok": ok, "err": err, "err_torch_bf16": err_torch}
 
 
-def _ms(fn, rep=50, graph=True):
+def graph_ms(fn, rep=50, graph=True):
     """Median ms of fn over cold-L2 runs. graph=True replays fn captured as a CUDA graph, so Python launch
     overhead (tens of us for a Triton launch) stays out of the number, as it does in the decode step."""
     from triton.testing import do_bench
@@ -75,7 +75,7 @@ def _nbytes(*ts):
 def copy_bandwidth_gbps() -> float:
     src = torch.empty(1 << 29, device="cuda", dtype=DT)  # 1 GiB
     dst = torch.empty_like(src)
-    ms = _ms(lambda: dst.copy_(src), graph=False)
+    ms = graph_ms(lambda: dst.copy_(src), graph=False)
     return 2 * _nbytes(src) / ms / 1e6
 
 
@@ -86,10 +86,10 @@ def case_lowrank_linear(B, d_in, d_out):
     t, y = torch.empty(B, r, device="cuda"), torch.empty(B, d_out, device="cuda", dtype=DT)
     lowrank_linear(x, V, U, out=y, t=t)
     res = _check(y, lowrank_linear_ref(x.double(), V.double(), U.double()), lowrank_linear_ref(x, V, U), "lowrank")
-    res["ms"] = _ms(lambda: lowrank_linear(x, V, U, out=y, t=t))
-    res["torch_ms"] = _ms(lambda: lowrank_linear_ref(x, V, U))
+    res["ms"] = graph_ms(lambda: lowrank_linear(x, V, U, out=y, t=t))
+    res["torch_ms"] = graph_ms(lambda: lowrank_linear_ref(x, V, U))
     W = _randn(d_out, d_in)
-    res["torch_dense_ms"] = _ms(lambda: x @ W.T)
+    res["torch_dense_ms"] = graph_ms(lambda: x @ W.T)
     res["bytes"] = _nbytes(x, V, U, y)
     res["shape"] = dict(B=B, d_in=d_in, r=r, d_out=d_out)
     return res
@@ -118,8 +118,8 @@ def case_qkv_rope(B, S_max, H_kv):
     res = _check(q, q64, qb, "qkv_rope q")
     res_k = _check(k_cache[rows, pos], kr[rows, pos], kb[rows, pos], "qkv_rope k")
     res["ok"] = res["ok"] and res_k["ok"]
-    res["ms"] = _ms(lambda: qkv_rope(x, Vqkv, Uq, Uk, Uv, cos, sin, k_cache, v_cache, cache_seqlens, q_out=q, t=t))
-    res["torch_ms"] = _ms(lambda: qkv_rope_ref(x, Vqkv, Uq, Uk, Uv, cos, sin, kb, vb, cache_seqlens))
+    res["ms"] = graph_ms(lambda: qkv_rope(x, Vqkv, Uq, Uk, Uv, cos, sin, k_cache, v_cache, cache_seqlens, q_out=q, t=t))
+    res["torch_ms"] = graph_ms(lambda: qkv_rope_ref(x, Vqkv, Uq, Uk, Uv, cos, sin, kb, vb, cache_seqlens))
     res["bytes"] = _nbytes(x, Vqkv, Uq, Uk, Uv, q) + 2 * B * H_kv * D * 2
     res["shape"] = dict(B=B, hidden=HIDDEN, H=H, H_kv=H_kv, D=D, rq=rq, rk=rk, rv=rv)
     return res
@@ -134,8 +134,8 @@ def case_gate_up(B):
     h, t = torch.empty(B, INTER, device="cuda", dtype=DT), torch.empty(B, 2 * r, device="cuda")
     gate_up(x, Vgu, Ug, Uu, out=h, t=t)
     res = _check(h, gate_up_ref(x.double(), Vgu.double(), Ug.double(), Uu.double()), gate_up_ref(x, Vgu, Ug, Uu), "gate_up")
-    res["ms"] = _ms(lambda: gate_up(x, Vgu, Ug, Uu, out=h, t=t))
-    res["torch_ms"] = _ms(lambda: gate_up_ref(x, Vgu, Ug, Uu))
+    res["ms"] = graph_ms(lambda: gate_up(x, Vgu, Ug, Uu, out=h, t=t))
+    res["torch_ms"] = graph_ms(lambda: gate_up_ref(x, Vgu, Ug, Uu))
     res["bytes"] = _nbytes(x, Vgu, Ug, Uu, h)
     res["shape"] = dict(B=B, hidden=HIDDEN, rg=r, ru=r, inter=INTER)
     return res
@@ -149,8 +149,8 @@ def case_rmsnorm(B):
     ref64, base = rmsnorm_ref(x.double(), w.double(), 1e-5, residual=r64), rmsnorm_ref(x, w, 1e-5, residual=rb)
     rmsnorm(x, w, 1e-5, residual=res_, out=out)
     res = _check(out, ref64, base, "rmsnorm")
-    res["ms"] = _ms(lambda: rmsnorm(x, w, 1e-5, residual=res_, out=out))
-    res["torch_ms"] = _ms(lambda: rmsnorm_ref(x, w, 1e-5, residual=rb))
+    res["ms"] = graph_ms(lambda: rmsnorm(x, w, 1e-5, residual=res_, out=out))
+    res["torch_ms"] = graph_ms(lambda: rmsnorm_ref(x, w, 1e-5, residual=rb))
     res["bytes"] = _nbytes(x, w, res_, res_, out)
     res["shape"] = dict(B=B, hidden=HIDDEN)
     return res
@@ -167,14 +167,14 @@ def case_decode_attention(B, L, H_kv):
     decode_attention(q, k_cache, v_cache, cache_seqlens, num_splits=ns, out=out, mid_o=mid_o, mid_lse=mid_lse)
     res = _check(out, decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), cache_seqlens),
                  decode_attention_ref(q, k_cache, v_cache, cache_seqlens), "decode_attention")
-    res["ms"] = _ms(lambda: decode_attention(q, k_cache, v_cache, cache_seqlens, num_splits=ns, out=out,
+    res["ms"] = graph_ms(lambda: decode_attention(q, k_cache, v_cache, cache_seqlens, num_splits=ns, out=out,
                                              mid_o=mid_o, mid_lse=mid_lse))
     kt, vt = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # (B, H_kv, S, D) views
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    res["torch_sdpa_ms"] = _ms(lambda: sdpa(q[:, :, None], kt, vt, enable_gqa=H != H_kv))
+    res["torch_sdpa_ms"] = graph_ms(lambda: sdpa(q[:, :, None], kt, vt, enable_gqa=H != H_kv))
     try:
         import flash_attn  # noqa: F401
-        res["flash_attn_ms"] = _ms(lambda: flash_attn_decode(q, k_cache, v_cache, cache_seqlens, num_splits=ns))
+        res["flash_attn_ms"] = graph_ms(lambda: flash_attn_decode(q, k_cache, v_cache, cache_seqlens, num_splits=ns))
     except ImportError:
         pass
     res["bytes"] = _nbytes(q, out) + 2 * B * L * H_kv * D * 2
@@ -200,14 +200,14 @@ def case_prefill_attention(B, S, H_kv):
     res = _check(out, o64, ob, "prefill out")
     res_k = _check(k_cache, k64, kb, "prefill k")
     res["ok"] = res["ok"] and res_k["ok"]
-    res["ms"] = _ms(run)
+    res["ms"] = graph_ms(run)
 
     def torch_path():  # materialize q/k/v, RoPE, flash SDPA
         q = rope_ref(torch.einsum("bsr,hdr->bhsd", Pq, Uq), cos.to(DT), sin.to(DT))
         k = rope_ref(torch.einsum("bsr,hdr->bhsd", Pk, Uk), cos.to(DT), sin.to(DT))
         v = torch.einsum("bsr,hdr->bhsd", Pv, Uv)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != H_kv)
-    res["torch_ms"] = _ms(torch_path)
+    res["torch_ms"] = graph_ms(torch_path)
     flops = 4 * B * H * D * S * S / 2 + 2 * B * S * H * D * rq
     flops += B * H * (S / 64) * (S / 2) * 2 * D * (rk + rk)  # K/V rebuilt per (query block, head), causal half
     res["tflops"] = flops / res["ms"] / 1e9
@@ -273,8 +273,8 @@ def case_decode_step(B, L, n_layers=32):
     g.replay()
     torch.cuda.synchronize()
     ok = bool(torch.isfinite(h).all())
-    ms = _ms(g.replay, rep=200, graph=False)
-    eager_ms = _ms(step, rep=200, graph=False)
+    ms = graph_ms(g.replay, rep=200, graph=False)
+    eager_ms = graph_ms(step, rep=200, graph=False)
     weights = sum(_nbytes(*(v for k, v in ly.items() if "cache" not in k)) for ly in layers)
     kv = n_layers * 2 * B * L * H * D * 2
     return {"ok": ok, "ms": ms, "eager_ms": eager_ms, "bytes": weights + kv, "weight_bytes": weights, "kv_bytes": kv,
@@ -323,7 +323,7 @@ def gemv_sweep():
         best = None
         for cfg in configs:
             try:
-                ms = _ms(lambda: _gemv_launch(x, w, y, *cfg, keep=keep, klive=klive), rep=20)
+                ms = graph_ms(lambda: _gemv_launch(x, w, y, *cfg, keep=keep, klive=klive), rep=20)
             except Exception:  # a config that does not compile is skipped, loudly
                 traceback.print_exc()
                 continue
@@ -349,7 +349,7 @@ def decode_sweep():
         for BLOCK_N, num_warps, num_stages in ((32, 4, 2), (64, 4, 2), (64, 4, 1), (64, 8, 2), (128, 8, 2), (128, 4, 2),
                                                (32, 4, 3), (64, 8, 3)):
             try:
-                ms = _ms(lambda: _launch_decode(q, k_cache, v_cache, cache_seqlens, out, mid_o, mid_lse,
+                ms = graph_ms(lambda: _launch_decode(q, k_cache, v_cache, cache_seqlens, out, mid_o, mid_lse,
                                                 BLOCK_N, num_warps, num_stages), rep=20)
             except Exception:  # a config that does not compile is skipped, loudly
                 traceback.print_exc()
@@ -381,7 +381,7 @@ def prefill_sweep():
     for BLOCK_M, BLOCK_R, num_warps, num_stages in ((64, 32, 8, 1), (64, 64, 8, 1), (64, 32, 4, 1), (128, 32, 8, 1),
                                                     (128, 32, 4, 1), (128, 16, 8, 1), (128, 64, 8, 1)):
         try:
-            ms = _ms(lambda: _launch_prefill(Pq, Pk, Pv, Uq, Uk, Uv, cos, sin, seqlens, k_cache, v_cache, out,
+            ms = graph_ms(lambda: _launch_prefill(Pq, Pk, Pv, Uq, Uk, Uv, cos, sin, seqlens, k_cache, v_cache, out,
                                              BLOCK_M, BLOCK_R, num_warps, num_stages), rep=50)
         except Exception:  # a config that does not compile (or runs out of shared memory) is skipped, loudly
             traceback.print_exc()

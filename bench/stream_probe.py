@@ -11,11 +11,12 @@ instruction a box, completion on an mbarrier instead of per-thread copy groups):
     columns, one contiguous buffer, far larger than L2), item g = rank, rank + P, ... with no synchronization, each
     program's steps (its items x tiles of K) in one `tl.range(..., num_stages=STAGES)` loop; y = W x per layer.
 
-Rows: the mode (ptr / tma), the shape (a V stage: gate/up V; U stages: gate U, o U), the tile and the depth, with
-the ms of one pass (median of the repeats), the TB/s it streams at, and its share of the copy bandwidth measured in
-the same run. Every result is checked against torch's W x before it is timed. Then the ceiling: pure reads of the
-largest case's bytes (16 KB tiles, each program a run of consecutive tiles or tiles dealt one by one as the step
-deals its items) and torch's own sum.
+Rows: the mode (ptr / tma / tiled: pointer loads of W stored tile by tile), the shape (a V stage: gate/up V; U
+stages: gate U, o U, q/k/v U, down U), the tile and the depth, with the ms of one pass (replayed from a CUDA graph
+over cold L2, median, as bench/kernels_gpu times kernels: no launch cost in the figure), the TB/s it streams at, and
+its share of the copy bandwidth measured in the same run. Every result is checked against torch's W x before it is
+timed. Then the ceiling: pure reads of the largest case's bytes (16 KB tiles, each program a run of consecutive
+tiles or tiles dealt one by one as the step deals its items) and torch's own sum.
 
 Usage: python -m rankserve.bench.stream_probe --out bench/results/stream-probe-h200.json
        python -m rankserve.bench.stream_probe --markdown bench/results/stream-probe-h200.json
@@ -24,7 +25,6 @@ Usage: python -m rankserve.bench.stream_probe --out bench/results/stream-probe-h
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -144,14 +144,15 @@ def tile_major(w: torch.Tensor, case: ProbeCase) -> torch.Tensor:
 
 
 def stream(w: torch.Tensor, x: torch.Tensor, case: ProbeCase, mode: str, stages: int, programs: int,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
+           packed: torch.Tensor | None = None, y: torch.Tensor | None = None) -> torch.Tensor:
     """One pass of the probe kernel over w (layers * N, K) in `mode` (MODES; "tiled" reads `packed`, tile_major's
-    copy of w): y (layers * N,) fp32."""
+    copy of w): y (layers * N,) fp32, written into `y` when given (timed passes: no allocation in the pass)."""
     if mode not in MODES:
         raise ValueError(f"stream: mode {mode!r} is not one of {MODES}")
     if mode == "tiled" and packed is None:
         packed = tile_major(w, case)
-    y = torch.zeros(w.shape[0], dtype=torch.float32, device=w.device)
+    if y is None:
+        y = torch.zeros(w.shape[0], dtype=torch.float32, device=w.device)
     desc = None
     if mode == "tma":
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -168,18 +169,13 @@ def check(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> float:
     return float((y - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
 
 
-def time_pass(fn, repeats: int) -> list[float]:
-    """ms of fn() on the GPU, `repeats` times after two warm-ups."""
-    out = []
-    for i in range(repeats + 2):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        if i >= 2:
-            out.append(s.elapsed_time(e))
-    return out
+def measure(row: dict, fn, copy_bw: float, rep_ms: int) -> None:
+    """Time fn (one pass over row["bytes"]) as bench/kernels_gpu does: replayed from a CUDA graph, so the launch's
+    host cost stays out, over cold-L2 runs, median; fill in ms, TB/s and the share of the copy bandwidth."""
+    from rankserve.bench.kernels_gpu import graph_ms
+    row["ms"] = graph_ms(fn, rep=rep_ms)
+    row["TB_s"] = row["bytes"] / (row["ms"] / 1e3) / 1e12
+    row["of_copy_bw"] = row["TB_s"] * 1e12 / copy_bw
 
 
 def markdown(res: dict) -> str:
@@ -187,7 +183,7 @@ def markdown(res: dict) -> str:
     copy bandwidth measured in the same run)."""
     depths = sorted({r["stages"] for r in res["rows"]})
     lines = [f"{res['gpu']}, triton {res.get('triton', '?')}, copy bandwidth {res['copy_bw'] / 1e12:.2f} TB/s, "
-             f"{res['programs']} programs; TB/s of one pass over 32 layers (median of the repeats)", "",
+             f"{res['programs']} programs; TB/s of one pass over 32 layers (graph replays, median)", "",
              "| stage (tile) | loads | " + " | ".join(f"{d} deep" for d in depths) + " |",
              "| --- | --- |" + " --- |" * len(depths)]
     keys = list(dict.fromkeys((r["case"]["name"], r["mode"]) for r in res["rows"]))
@@ -212,7 +208,7 @@ def markdown(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rankserve.bench.stream_probe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results/stream-probe.json")
-    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--rep-ms", type=int, default=100, help="time spent timing each variant (ms)")
     ap.add_argument("--stages", type=int, nargs="+", default=[3, 4, 6], help="pipeline depths to time")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="how the loop reads its tiles")
     ap.add_argument("--cases", nargs="+", default=[c.name for c in CASES], metavar="NAME",
@@ -243,26 +239,23 @@ def main(argv: list[str] | None = None) -> int:
         w = torch.randn(case.layers * case.n, case.k, device=dev).to(torch.bfloat16)
         x = torch.randn(case.k, device=dev)
         packed = tile_major(w, case) if "tiled" in args.modes else None
+        y = torch.zeros(w.shape[0], dtype=torch.float32, device=dev)
         nbytes = w.numel() * w.element_size()
         for rnd in range(args.rounds):
             for mode in args.modes:
                 for stages in args.stages:
                     row = dict(case=asdict(case), mode=mode, stages=stages, round=rnd, bytes=nbytes)
                     try:
-                        def fn(mode=mode, stages=stages):
-                            return stream(w, x, case, mode, stages, programs, packed)
+                        def fn(mode=mode, stages=stages, w=w, x=x, packed=packed, y=y):
+                            return stream(w, x, case, mode, stages, programs, packed, y)
                         if rnd == 0:
                             row["rel_err"] = check(w, x, fn())
-                        ms = time_pass(fn, args.repeats)
-                        row.update(ms=statistics.median(ms), ms_min=min(ms), ms_max=max(ms))
-                        row["TB_s"] = nbytes / (row["ms"] / 1e3) / 1e12
-                        row["of_copy_bw"] = row["TB_s"] * 1e12 / res["copy_bw"]
+                        measure(row, fn, res["copy_bw"], args.rep_ms)
                     except Exception as e:  # one variant that does not compile must not lose the others
                         row["error"] = repr(e)[:1500]
                     res["rows"].append(row)
                     print({k: v for k, v in row.items() if k != "case"}, case.name, flush=True)
                     write_json(Path(args.out), res)
-        del w, packed
     if args.no_reads:
         return 0
     # the ceiling: pure reads of the largest case's bytes (no x, no per-row sums), 16 KB tiles, dealt to the programs
@@ -278,10 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         row = dict(mode=mode, stages=stages, bytes=nbytes)
         try:
             row["rel_err"] = abs(float(fn().double().sum()) - ref) / float(w.double().abs().sum())
-            ms = time_pass(fn, args.repeats)
-            row.update(ms=statistics.median(ms), ms_min=min(ms), ms_max=max(ms))
-            row["TB_s"] = nbytes / (row["ms"] / 1e3) / 1e12
-            row["of_copy_bw"] = row["TB_s"] * 1e12 / res["copy_bw"]
+            measure(row, fn, res["copy_bw"], args.rep_ms)
         except Exception as e:
             row["error"] = repr(e)[:1500]
         res.setdefault("reads", []).append(row)
