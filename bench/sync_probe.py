@@ -9,6 +9,9 @@ kernel is first compiled, then times and traces the default config as bench/step
               (races: the logits may differ run to run), so the gap to the default is what the fences cost
     nowait    _wait returns at once: no ordering at all (wrong logits); what the weight stream takes on its own,
               the bound on what any synchronization scheme could recover
+    warps     not weaker, another release: each of the 4 warps counts itself done after a warp barrier, with no
+              CTA barrier before the add (the waits' targets 4 times larger; GPU only: inline PTX), so a warp done
+              with its rows does not wait for the program's other warps; the results stay right
     skip-N    only the waits on a stage of slot N (step_kernel's SLOTS: 0 q/k/v V, 1 q/k/v U, 2 attention, 4 o V,
               5 o U, 6 gate/up V, 8 down V, 9 down U) return at once: the next stage overlaps that one's tail and
               its barrier (wrong logits); what that one boundary costs the step, the bound on what a finer-grained
@@ -58,26 +61,49 @@ def _wait_skipping(ctr_ptr, prev, target, first):
                 pass
 
 
-PROBES = {"relaxed": ("_leave", _leave_relaxed), "nowait": ("_wait", _wait_never),
-          **{f"skip-{n}": ("_wait", _wait_skipping) for n in SKIPPABLE}}
+@triton.jit
+def _leave_warps(ctr_ptr, sid):
+    """Each warp counts itself done with stage sid: a warp barrier (it orders the warp's stores before its lane 0's
+    release add), no CTA barrier."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 t; bar.warp.sync -1; mov.u32 t, %laneid; setp.eq.u32 p, t, 0; "
+        "@p red.release.gpu.global.add.s32 [$1], 1; mov.u32 $0, 0; }",
+        "=r,l", [ctr_ptr + (sid + 1) * PAD], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _wait_warps(ctr_ptr, prev, target, first):
+    """_wait for counters that every warp of every program adds to (4 warps: the step's num_warps)."""
+    if first:
+        done_ptr = ctr_ptr + (prev + 1) * PAD
+        while tl.atomic_add(done_ptr, 0, sem="acquire") < target * 4:
+            pass
+
+
+# mode -> the step_kernel functions it swaps
+PROBES = {"relaxed": [("_leave", _leave_relaxed)], "nowait": [("_wait", _wait_never)],
+          "warps": [("_leave", _leave_warps), ("_wait", _wait_warps)],
+          **{f"skip-{n}": [("_wait", _wait_skipping)] for n in SKIPPABLE}}
 
 
 @contextlib.contextmanager
 def weakened(mode: str):
-    """step_kernel with one sync function swapped (before its first compile in this process), restored after."""
+    """step_kernel with its sync functions swapped as `mode` says (before its first compile in this process),
+    restored after."""
     if mode not in PROBES:
         raise ValueError(f"sync probe mode must be one of {sorted(PROBES)}, got {mode!r}")
     global _SKIP
-    name, fn = PROBES[mode]
-    orig = getattr(step_kernel, name)
-    setattr(step_kernel, name, fn)  # the stage functions look it up in the module's globals when compiled
+    orig = {name: getattr(step_kernel, name) for name, _ in PROBES[mode]}
+    for name, fn in PROBES[mode]:
+        setattr(step_kernel, name, fn)  # the stage functions look it up in the module's globals when compiled
     skip = _SKIP
     if mode.startswith("skip-"):
         _SKIP = tl.constexpr(int(mode[5:]))
     try:
         yield
     finally:
-        setattr(step_kernel, name, orig)
+        for name, fn in orig.items():
+            setattr(step_kernel, name, fn)
         _SKIP = skip
 
 

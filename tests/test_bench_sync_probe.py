@@ -34,6 +34,9 @@ def test_probes_swap_the_sync_functions_and_restore_them():
             got = _one_launch_logits(model)
         torch.testing.assert_close(got, ref, rtol=0, atol=0)  # one program: the same arithmetic in the same order
     assert step_kernel._leave is leave and step_kernel._wait is wait and sync_probe._SKIP == -1
+    with sync_probe.weakened("warps"):  # (inline PTX: swapped, not run, on the CPU)
+        assert step_kernel._leave is sync_probe._leave_warps and step_kernel._wait is sync_probe._wait_warps
+    assert step_kernel._leave is leave and step_kernel._wait is wait
     with pytest.raises(ValueError, match="must be one of"):
         with sync_probe.weakened("fast"):
             pass
