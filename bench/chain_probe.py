@@ -52,9 +52,9 @@ import triton.language as tl
 
 PAD = tl.constexpr(32)  # int32 counters a 128-byte line apart
 COLS = 16  # int64 columns of the segment table (see segments())
-DEPS = ("stage", "blocks", "none", "data", "spread")
+DEPS = ("stage", "blocks", "none", "data", "spread")  # what a segment waits for (see the module docstring)
 SPREAD = 8  # counters a map for the spread dependency
-RELEASES = ("cta", "warp")  # how a program counts itself done (Chain.run)  # what a segment waits for (see the module docstring)
+RELEASES = ("cta", "warp")  # how a program counts itself done (Chain.run)
 
 
 @dataclass
@@ -96,7 +96,7 @@ def segments(s: ChainShape, device: torch.device) -> tuple[torch.Tensor, torch.T
     this map's output blocks (BLOCK_K rows each), 10 the first counter of the blocks it reads (its tile kc reads
     block kc; -1: none), a block's target the number of producer items in it; the data dependency: 11 where its
     input's tagged words start (-1: none), 12 how many partials it sums (down U: down V's blocks), 13 their stride.
-    The counters: one a map, then the blocks, each PAD apart."""
+    The counters: one a map, then the blocks, each PAD apart (Chain adds SPREAD a map after them)."""
     bk, bn = s.block_k, s.block_n
     n_maps = s.layers * len(maps(s))
     rows, w_off, y_off = [], 0, 0

@@ -9,9 +9,10 @@ kernel is first compiled, then times and traces the default config as bench/step
               (races: the logits may differ run to run), so the gap to the default is what the fences cost
     nowait    _wait returns at once: no ordering at all (wrong logits); what the weight stream takes on its own,
               the bound on what any synchronization scheme could recover
-    warps     not weaker, another release: each of the 4 warps counts itself done after a warp barrier, with no
-              CTA barrier before the add (the waits' targets 4 times larger; GPU only: inline PTX), so a warp done
-              with its rows does not wait for the program's other warps; the results stay right
+    warps     not weaker, another release: each of the 4 warps counts itself done with a stage after a warp
+              barrier, with no CTA barrier before the add (the waits' targets 4 times larger; GPU only: inline PTX;
+              gate/up U's block counts for down V keep their CTA barrier), so a warp done with its rows does not
+              wait for the program's other warps; the results stay right
     skip-N    only the waits on a stage of slot N (step_kernel's SLOTS: 0 q/k/v V, 1 q/k/v U, 2 attention, 4 o V,
               5 o U, 6 gate/up V, 8 down V, 9 down U) return at once: the next stage overlaps that one's tail and
               its barrier (wrong logits); what that one boundary costs the step, the bound on what a finer-grained
