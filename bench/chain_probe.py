@@ -33,7 +33,8 @@ bench/kernels_gpu).
 
 Measured on the H200 (decode.md, session 15; chain-probe-h200.json): without waits one loop 2.256 ms (85% of the
 copy bandwidth) vs a loop a segment 2.522; with the stage counters 2.930 vs 2.997 (2%); blocks 3.73-3.80, data
-3.90-4.18, spread counters 2.97-3.10, one count a warp 3.04-3.10: no protocol beats the step's.
+3.90-4.18, spread counters 2.97-3.10, one count a warp 3.04-3.10: no protocol beats the step's; with every
+program given the same items (--balanced) the waits cost as much (chain-probe-h200-balanced.json).
 
 Usage: python -m rankserve.bench.chain_probe --out bench/results/chain-probe-h200.json
        python -m rankserve.bench.chain_probe --markdown bench/results/chain-probe-h200.json
@@ -69,6 +70,9 @@ class ChainShape:
     layers: int = 32
     block_n: int = 8  # rows an item
     block_k: int = 1024  # columns a tile; inputs up to 4 tiles wide are held in registers
+    # 0: the step's rows; else every map's rows rounded up to a multiple of this (programs x block_n: every program
+    # the same items in every segment, so a wait has no item imbalance to absorb)
+    round_rows: int = 0
 
     def __post_init__(self) -> None:
         if max(self.hidden, self.rank_qkv, self.rank_o, 2 * self.rank_gu, self.rank_d) > 4 * self.block_k:
@@ -80,9 +84,12 @@ class ChainShape:
 def maps(s: ChainShape) -> list[tuple[str, int, int]]:
     """(name, rows N, columns K) of one layer's weights, in step order (q, k, v's U stacked; gate/up U as one map whose
     row n is gate's and up's row n side by side, reading both halves of t, as the step's items do)."""
-    return [("qkv V", 3 * s.rank_qkv, s.hidden), ("qkv U", 3 * s.hidden, s.rank_qkv), ("o V", s.rank_o, s.hidden),
-            ("o U", s.hidden, s.rank_o), ("gate/up V", 2 * s.rank_gu, s.hidden),
-            ("gate/up U", s.inter, 2 * s.rank_gu), ("down V", s.rank_d, s.inter), ("down U", s.hidden, s.rank_d)]
+    out = [("qkv V", 3 * s.rank_qkv, s.hidden), ("qkv U", 3 * s.hidden, s.rank_qkv), ("o V", s.rank_o, s.hidden),
+           ("o U", s.hidden, s.rank_o), ("gate/up V", 2 * s.rank_gu, s.hidden),
+           ("gate/up U", s.inter, 2 * s.rank_gu), ("down V", s.rank_d, s.inter), ("down U", s.hidden, s.rank_d)]
+    if s.round_rows:
+        out = [(name, -(-n // s.round_rows) * s.round_rows, k) for name, n, k in out]
+    return out
 
 
 def segments(s: ChainShape, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, int, list]:
@@ -443,8 +450,10 @@ def markdown(res: dict) -> str:
     """The probe's rows as a markdown table: ms of one pass, TB/s and the share of the copy bandwidth."""
     lines = [f"{res['gpu']}, triton {res.get('triton', '?')}, copy bandwidth {res['copy_bw'] / 1e12:.2f} TB/s, "
              f"{res['programs']} programs; one pass over {res['shape']['layers']} layers' GEMV weights "
-             f"({res['bytes'] / 1e9:.2f} GB, tiles {res['shape']['block_n']} x {res['shape']['block_k']}; graph "
-             "replays, median; a cell a round)", "",
+             f"({res['bytes'] / 1e9:.2f} GB, tiles {res['shape']['block_n']} x {res['shape']['block_k']}"
+             + (f", every map's rows rounded up to a multiple of {res['shape']['round_rows']}: the same items for "
+                "every program" if res['shape'].get('round_rows') else "")
+             + "; graph replays, median; a cell a round)", "",
              "| loop | depth | waits for | ms | TB/s (of copy) |", "| --- | --- | --- | --- | --- |"]
     keys = list(dict.fromkeys((r["mode"], r["stages"], r["dep"], r.get("release", "cta")) for r in res["rows"]))
     said = {"stage": "the previous segment", "blocks": "the blocks of x it reads", "none": "nothing",
@@ -472,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="how a program counts itself done: a CTA barrier then one add, or one add a warp")
     ap.add_argument("--tile", default="8x1024", help="rows x columns of a weight tile (powers of two)")
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--balanced", action="store_true",
+                    help="round every map's rows up to a multiple of programs x tile rows (no item imbalance)")
     ap.add_argument("--rounds", type=int, default=2, help="time every variant this many times, interleaved")
     ap.add_argument("--markdown", metavar="JSON", help="render a result JSON as a markdown table and exit")
     args = ap.parse_args(argv)
@@ -495,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     from rankserve.bench.stream_probe import measure
     dev = torch.device("cuda")
     programs = 2 * torch.cuda.get_device_properties(dev).multi_processor_count  # all resident: checked below
+    if args.balanced:
+        shape.round_rows = programs * shape.block_n
     chain = Chain(shape, programs, dev)
     ref = chain.reference()
     res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

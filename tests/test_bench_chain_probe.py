@@ -72,6 +72,16 @@ def test_segments_chain_the_steps_maps():
     assert n_y == sum(n for _, n, _, _, _ in segs)
 
 
+def test_balanced_shape_gives_every_program_the_same_items():
+    s = ChainShape(hidden=64, rank_qkv=16, rank_o=32, rank_gu=24, rank_d=32, inter=176, layers=1, block_n=4,
+                   block_k=16, round_rows=3 * 4)
+    assert all(n % 12 == 0 and n >= m for (_, n, _), (_, m, _) in zip(maps(s), maps(TINY)))
+    chain = Chain(s, 3, torch.device("cpu"))
+    assert len(set(chain.total.tolist())) == 1  # as many steps for each of the 3 programs
+    chain.y.fill_(float("nan"))
+    assert check(chain.run("stream", 3, "none"), chain.reference()) <= 10 * _torch_err(chain) + 1e-6
+
+
 def test_counters_and_tags_end_as_the_protocols_say():
     chain = Chain(TINY, 1, torch.device("cpu"))
     n_maps = TINY.layers * len(maps(TINY))
