@@ -187,7 +187,8 @@ def _tagged(ptr, kc, K, ep, BLOCK_K: tl.constexpr):
 def _read_tagged(ptr, K, ep, BLOCK_K: tl.constexpr):
     """A tagged input x[:K] as four fp32 register tiles, its four tiles read together until every word carries this
     pass's epoch ep (a 32-bit word is written and read whole, so a word with the right epoch holds the right value:
-    no counter, no fence; one round trip when the data is there)."""
+    no counter, no fence; one round trip when the data is there). The epoch has 16 bits: a word exactly 65,536 passes
+    stale would pass too, far more passes than a run of the probe makes between two writes of a word."""
     w1, b1 = _tagged(ptr, 0, K, ep, BLOCK_K)
     w2, b2 = _tagged(ptr, 1, K, ep, BLOCK_K)
     w3, b3 = _tagged(ptr, 2, K, ep, BLOCK_K)
