@@ -33,6 +33,7 @@ import sys
 import triton
 import triton.language as tl
 
+from rankserve.bench.chain_probe import _release  # its per-warp release (inline PTX), shared with the chain probe
 from rankserve.kernels import step_kernel
 from rankserve.kernels.step_kernel import PAD, SLOTS  # the counters' spacing (int32s a 128-byte line); slots a layer
 
@@ -65,11 +66,8 @@ def _wait_skipping(ctr_ptr, prev, target, first):
 @triton.jit
 def _leave_warps(ctr_ptr, sid):
     """Each warp counts itself done with stage sid: a warp barrier (it orders the warp's stores before its lane 0's
-    release add), no CTA barrier."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 t; bar.warp.sync -1; mov.u32 t, %laneid; setp.eq.u32 p, t, 0; "
-        "@p red.release.gpu.global.add.s32 [$1], 1; mov.u32 $0, 0; }",
-        "=r,l", [ctr_ptr + (sid + 1) * PAD], dtype=tl.int32, is_pure=False, pack=1)
+    release add), no CTA barrier (chain_probe's per-warp release)."""
+    _release(ctr_ptr + (sid + 1) * PAD, True, True)
 
 
 @triton.jit
