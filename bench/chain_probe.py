@@ -34,7 +34,10 @@ bench/kernels_gpu).
 Measured on the H200 (decode.md, session 15; chain-probe-h200.json): without waits one loop 2.256 ms (85% of the
 copy bandwidth) vs a loop a segment 2.522; with the stage counters 2.930 vs 2.997 (2%); blocks 3.73-3.80, data
 3.90-4.18, spread counters 2.97-3.10, one count a warp 3.04-3.10: no protocol beats the step's; with every
-program given the same items (--balanced) the waits cost as much (chain-probe-h200-balanced.json).
+program given the same items (--balanced) the waits cost as much (chain-probe-h200-balanced.json). Session 16: more
+stages (--stages 4 6, or 8 and 12 with --per-sm 1) do not shorten the waits (chain-probe-h200-depth*.json); with the
+counters' fences removed (--fences none: relaxed adds and polls, timing only) one loop still takes 2.706 ms against
+2.244 without waits, 1.44 us a boundary of bare round trips (chain-probe-h200-fences.json).
 
 Usage: python -m rankserve.bench.chain_probe --out bench/results/chain-probe-h200.json
        python -m rankserve.bench.chain_probe --markdown bench/results/chain-probe-h200.json
@@ -56,6 +59,9 @@ COLS = 16  # int64 columns of the segment table (see segments())
 DEPS = ("stage", "blocks", "none", "data", "spread")  # what a segment waits for (see the module docstring)
 SPREAD = 8  # counters a map for the spread dependency
 RELEASES = ("cta", "warp")  # how a program counts itself done (Chain.run)
+# the memory order of the counters (Chain.run): release adds and acquire polls (right), a relaxed add (timing only),
+# relaxed polls then one acquire fence (right), relaxed adds and polls with no fence (timing only)
+FENCES = ("both", "relaxed-add", "one-acquire", "none")
 
 
 @dataclass
@@ -150,10 +156,18 @@ def _params(seg_ptr, s, rank, P, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _poll(ptr, target):
-    """Spin until the counter at ptr reaches target, then acquire (one L2 round trip a poll)."""
-    while tl.atomic_add(ptr, 0, sem="acquire") < target:
-        pass
+def _poll(ptr, target, FENCE: tl.constexpr = 0, ASM: tl.constexpr = False):
+    """Spin until the counter at ptr reaches target (one L2 round trip a poll). FENCE 0/1: every poll an acquire;
+    2: relaxed polls, then one acquire fence (GPU); 3: relaxed polls and no fence (timing only)."""
+    if FENCE >= 2:
+        while tl.atomic_add(ptr, 0, sem="relaxed") < target:
+            pass
+        if FENCE == 2 and ASM:
+            tl.inline_asm_elementwise("{ fence.acq_rel.gpu; mov.u32 $0, 0; }", "=r,l", [ptr], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+    else:
+        while tl.atomic_add(ptr, 0, sem="acquire") < target:
+            pass
 
 
 @triton.jit
@@ -205,7 +219,7 @@ def _read_tagged(ptr, K, ep, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _release(ptr, ASM: tl.constexpr, WARP: tl.constexpr):
+def _release(ptr, ASM: tl.constexpr, WARP: tl.constexpr, FENCE: tl.constexpr = 0):
     """Count this program's stores done (+1 at ptr, release: visible to whoever acquires it). ASM (GPU): the CTA
     barrier (4 warps) and the release as inline PTX (named barrier 1; triton's own use 0), because a
     `tl.debug_barrier()` inside a loop stops triton pipelining it (seen in the sm90 TTGIR: no async copies). WARP
@@ -216,11 +230,19 @@ def _release(ptr, ASM: tl.constexpr, WARP: tl.constexpr):
             "{ .reg .pred p; .reg .b32 t; bar.warp.sync -1; mov.u32 t, %laneid; setp.eq.u32 p, t, 0; "
             "@p red.release.gpu.global.add.s32 [$1], 1; mov.u32 $0, 0; }",
             "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1)
+    elif ASM and (FENCE == 1 or FENCE == 3):  # (timing only: the add orders nothing)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b32 t; bar.sync 1, 128; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "@p red.relaxed.gpu.global.add.s32 [$1], 1; mov.u32 $0, 0; }",
+            "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1)
     elif ASM:
         tl.inline_asm_elementwise(
             "{ .reg .pred p; .reg .b32 t; bar.sync 1, 128; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
             "@p red.release.gpu.global.add.s32 [$1], 1; mov.u32 $0, 0; }",
             "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1)
+    elif FENCE == 1 or FENCE == 3:
+        tl.debug_barrier()
+        tl.atomic_add(ptr, 1, sem="relaxed")
     else:
         tl.debug_barrier()
         tl.atomic_add(ptr, 1, sem="release")
@@ -228,12 +250,12 @@ def _release(ptr, ASM: tl.constexpr, WARP: tl.constexpr):
 
 @triton.jit
 def _count_done(ctr_ptr, row, rank, spread, ASM: tl.constexpr, SPREAD: tl.constexpr, WARP: tl.constexpr,
-                DEP: tl.constexpr):
+                DEP: tl.constexpr, FENCE: tl.constexpr = 0):
     """The stage and spread dependencies: count this program done with the segment at table row `row`."""
     if DEP == 0:
-        _release(ctr_ptr + tl.load(row + 7) * PAD, ASM, WARP)
+        _release(ctr_ptr + tl.load(row + 7) * PAD, ASM, WARP, FENCE)
     if DEP == 4:
-        _release(ctr_ptr + (spread + tl.load(row + 7) * SPREAD + rank % SPREAD) * PAD, ASM, WARP)
+        _release(ctr_ptr + (spread + tl.load(row + 7) * SPREAD + rank % SPREAD) * PAD, ASM, WARP, FENCE)
 
 
 @triton.jit
@@ -250,7 +272,8 @@ def _tile(w_ptr, w_off, n, k, ld, r, nk, rank, P, BLOCK_N: tl.constexpr, BLOCK_K
 @triton.jit
 def _body(seg_ptr, need_ptr, ctr_ptr, tag_ptr, ep, spread, x_ptr, y_ptr, s, w, n, k, y_off, r, nk, steps, rank, P,
           acc, x1, x2, x3, x4, known, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEP: tl.constexpr,
-          ASM: tl.constexpr, SPREAD: tl.constexpr, WARP: tl.constexpr, IN_LOOP: tl.constexpr):
+          ASM: tl.constexpr, SPREAD: tl.constexpr, WARP: tl.constexpr, IN_LOOP: tl.constexpr,
+          FENCE: tl.constexpr = 0):
     """Step r of segment s with its weight tile w: the dependency (DEP 0 the segment's stage counter at its first
     step; 1 the block of x this tile reads, the first time the program reads it in the segment; 2 none; 3 its
     input's tagged words, read until they carry this pass's epoch ep), the x tile, acc += w . x, the item's y
@@ -267,7 +290,7 @@ def _body(seg_ptr, need_ptr, ctr_ptr, tag_ptr, ep, spread, x_ptr, y_ptr, s, w, n
         if DEP == 0:
             c = tl.load(row + 5)
             if c >= 0:
-                _poll(ctr_ptr + c * PAD, tl.load(row + 6).to(tl.int32) * P * RELS)
+                _poll(ctr_ptr + c * PAD, tl.load(row + 6).to(tl.int32) * P * RELS, FENCE, ASM)
         if DEP == 4:
             c = tl.load(row + 5)
             if c >= 0:
@@ -288,7 +311,7 @@ def _body(seg_ptr, need_ptr, ctr_ptr, tag_ptr, ep, spread, x_ptr, y_ptr, s, w, n
         if (known >> kc) & 1 == 0:  # first use of this block of x in the segment: wait for its producers
             wb = tl.load(row + 10)
             if wb >= 0:
-                _poll(ctr_ptr + (wb + kc) * PAD, tl.load(need_ptr + wb + kc) * RELS)
+                _poll(ctr_ptr + (wb + kc) * PAD, tl.load(need_ptr + wb + kc) * RELS, FENCE, ASM)
             xn = _read(x_ptr, kc, k, BLOCK_K)
             x1 = tl.where(kc == 0, xn, x1)
             x2 = tl.where(kc == 1, xn, x2)
@@ -305,10 +328,10 @@ def _body(seg_ptr, need_ptr, ctr_ptr, tag_ptr, ep, spread, x_ptr, y_ptr, s, w, n
             tl.store(tag_ptr + y_off + offs_n, (v << 16) | ep, mask=offs_n < n)
         if DEP == 1:
             if item * BLOCK_N < n:  # (a program's masked step has no item to count)
-                _release(ctr_ptr + (tl.load(row + 8) + item * BLOCK_N // BLOCK_K) * PAD, ASM, WARP)
+                _release(ctr_ptr + (tl.load(row + 8) + item * BLOCK_N // BLOCK_K) * PAD, ASM, WARP, FENCE)
     if IN_LOOP:  # (the loops kernel counts itself after its loop, as the step does)
         if r == steps - 1:
-            _count_done(ctr_ptr, row, rank, spread, ASM, SPREAD, WARP, DEP)
+            _count_done(ctr_ptr, row, rank, spread, ASM, SPREAD, WARP, DEP, FENCE)
     return tl.where(last, 0.0, acc), x1, x2, x3, x4, known
 
 
@@ -322,7 +345,8 @@ def _no_input(BLOCK_K: tl.constexpr):
 @triton.jit
 def _loops_kernel(w_ptr, seg_ptr, need_ptr, tot_ptr, x_ptr, y_ptr, ctr_ptr, tag_ptr, ep_ptr, n_seg, spread,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, DEP: tl.constexpr,
-                  ASM: tl.constexpr = False, SPREAD: tl.constexpr = 8, WARP: tl.constexpr = False):
+                  ASM: tl.constexpr = False, SPREAD: tl.constexpr = 8, WARP: tl.constexpr = False,
+                  FENCE: tl.constexpr = 0):
     """A pipelined loop a segment, as the step's stages: the dependency and the input read inside it (its
     prologue's tiles already asked for, as the step's wait_in_loop)."""
     rank = tl.program_id(0)
@@ -337,14 +361,15 @@ def _loops_kernel(w_ptr, seg_ptr, need_ptr, tot_ptr, x_ptr, y_ptr, ctr_ptr, tag_
             w = _tile(w_ptr, w_off, n, k, ld, r, nk, rank, P, BLOCK_N, BLOCK_K)
             acc, x1, x2, x3, x4, known = _body(seg_ptr, need_ptr, ctr_ptr, tag_ptr, ep, spread, x_ptr, y_ptr, s, w,
                                                n, k, y_off, r, nk, steps, rank, P, acc, x1, x2, x3, x4, known,
-                                               BLOCK_N, BLOCK_K, DEP, ASM, SPREAD, WARP, False)
-        _count_done(ctr_ptr, seg_ptr + s * 16, rank, spread, False, SPREAD, WARP, DEP)
+                                               BLOCK_N, BLOCK_K, DEP, ASM, SPREAD, WARP, False, FENCE)
+        _count_done(ctr_ptr, seg_ptr + s * 16, rank, spread, False, SPREAD, WARP, DEP, FENCE)
 
 
 @triton.jit
 def _stream_kernel(w_ptr, seg_ptr, need_ptr, tot_ptr, x_ptr, y_ptr, ctr_ptr, tag_ptr, ep_ptr, n_seg, spread,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, DEP: tl.constexpr,
-                   ASM: tl.constexpr = False, SPREAD: tl.constexpr = 8, WARP: tl.constexpr = False):
+                   ASM: tl.constexpr = False, SPREAD: tl.constexpr = 8, WARP: tl.constexpr = False,
+                  FENCE: tl.constexpr = 0):
     """One pipelined loop over all of this program's steps (tot_ptr[rank] of them): the segment advances inside
     the loop, so the weight tiles run STAGES - 1 steps ahead across segment boundaries."""
     rank = tl.program_id(0)
@@ -366,7 +391,7 @@ def _stream_kernel(w_ptr, seg_ptr, need_ptr, tot_ptr, x_ptr, y_ptr, ctr_ptr, tag
         w = _tile(w_ptr, w_off, n, k, ld, r, nk, rank, P, BLOCK_N, BLOCK_K)
         acc, x1, x2, x3, x4, known = _body(seg_ptr, need_ptr, ctr_ptr, tag_ptr, ep, spread, x_ptr, y_ptr, s, w, n,
                                            k, y_off, r, nk, steps, rank, P, acc, x1, x2, x3, x4, known, BLOCK_N,
-                                           BLOCK_K, DEP, ASM, SPREAD, WARP, True)
+                                           BLOCK_K, DEP, ASM, SPREAD, WARP, True, FENCE)
 
 
 MODES = ("loops", "stream")
@@ -401,13 +426,14 @@ class Chain:
             out += max(-(-max(items - rank, 0) // P), 1) * -(-k // s.block_k)
         return out
 
-    def run(self, mode: str, stages: int, dep: str, release: str = "cta") -> torch.Tensor:
+    def run(self, mode: str, stages: int, dep: str, release: str = "cta", fence: str = "both") -> torch.Tensor:
         """One pass: y for every segment (counters zeroed first: one memset, one launch). release: how a program
-        counts itself done, "cta" (a CTA barrier, then one release add) or "warp" (each warp after a warp barrier;
-        GPU only)."""
-        if mode not in MODES or dep not in DEPS or release not in RELEASES:
-            raise ValueError(f"chain probe: mode {mode!r} / dependency {dep!r} / release {release!r}: one of {MODES} "
-                             f"/ {DEPS} / {RELEASES} wanted")
+        counts itself done, "cta" (a CTA barrier, then one add) or "warp" (each warp after a warp barrier; GPU
+        only). fence: the counters' memory order (FENCES; the relaxed ones order nothing, which the probe's fixed
+        inputs make harmless: they time what the fences cost)."""
+        if mode not in MODES or dep not in DEPS or release not in RELEASES or fence not in FENCES:
+            raise ValueError(f"chain probe: mode {mode!r} / dependency {dep!r} / release {release!r} / fence "
+                             f"{fence!r}: one of {MODES} / {DEPS} / {RELEASES} / {FENCES} wanted")
         if release == "warp" and not self.w.is_cuda:
             raise ValueError("chain probe: the warp release is inline PTX (GPU only)")
         self.ctr.zero_()
@@ -418,8 +444,9 @@ class Chain:
                 len(self.segs), len(self.need))
         consts = dict(BLOCK_N=self.shape.block_n, BLOCK_K=self.shape.block_k, STAGES=stages if on_gpu else 1,
                       DEP=DEPS.index(dep), ASM=on_gpu, SPREAD=SPREAD, WARP=release == "warp",
+                      FENCE=FENCES.index(fence),
                       num_warps=4 if on_gpu else 1)
-        key = (mode, stages, dep, release)
+        key = (mode, stages, dep, release, fence)
         if on_gpu and dep != "none" and key not in self.fits:  # a program waits on others: all resident at once
             from rankserve.kernels.step_kernel import resident_programs
             k = kern.warmup(*args, grid=(self.programs,), **consts)  # compiled, not run
@@ -456,15 +483,19 @@ def markdown(res: dict) -> str:
                 "every program" if res['shape'].get('round_rows') else "")
              + "; graph replays, median; a cell a round)", "",
              "| loop | depth | waits for | ms | TB/s (of copy) |", "| --- | --- | --- | --- | --- |"]
-    keys = list(dict.fromkeys((r["mode"], r["stages"], r["dep"], r.get("release", "cta")) for r in res["rows"]))
+
+    def key(r: dict) -> tuple:
+        return r["mode"], r["stages"], r["dep"], r.get("release", "cta"), r.get("fence", "both")
+    keys = list(dict.fromkeys(key(r) for r in res["rows"]))
     said = {"stage": "the previous segment", "blocks": "the blocks of x it reads", "none": "nothing",
             "data": "its input's tagged words", "spread": f"the previous segment, over {SPREAD} counters"}
-    for mode, stages, dep, release in keys:
-        rows = [r for r in res["rows"]
-                if (r["mode"], r["stages"], r["dep"], r.get("release", "cta")) == (mode, stages, dep, release)]
+    fenced = {"relaxed-add": ", relaxed adds (timing only)", "one-acquire": ", relaxed polls and one acquire fence",
+              "none": ", no memory order (timing only)"}
+    for mode, stages, dep, release, fence in keys:
+        rows = [r for r in res["rows"] if key(r) == (mode, stages, dep, release, fence)]
         ms = " / ".join("error" if "error" in r else f"{r['ms']:.3f}" for r in rows)
         bw = " / ".join("error" if "error" in r else f"{r['TB_s']:.2f} ({r['of_copy_bw']:.0%})" for r in rows)
-        rel = " (a count a warp)" if release == "warp" else ""
+        rel = (" (a count a warp)" if release == "warp" else "") + fenced.get(fence, "")
         lines.append(f"| {'a loop a segment' if mode == 'loops' else 'one loop'} | {stages} | {said[dep]}{rel} | "
                      f"{ms} | {bw} |")
     return "\n".join(lines)
@@ -480,8 +511,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="what a segment waits for: the previous one (as the step), the blocks of x it reads, nothing")
     ap.add_argument("--releases", nargs="+", default=["cta"], choices=RELEASES,
                     help="how a program counts itself done: a CTA barrier then one add, or one add a warp")
+    ap.add_argument("--fences", nargs="+", default=["both"], choices=FENCES,
+                    help="the counters' memory order: release adds and acquire polls (the step's), a relaxed add, "
+                         "relaxed polls then one acquire fence, or no order at all (relaxed-add and none: timing only)")
     ap.add_argument("--tile", default="8x1024", help="rows x columns of a weight tile (powers of two)")
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--per-sm", type=int, default=2,
+                    help="programs an SM (the step runs 2; 1 leaves a program the shared memory of deeper pipelines)")
     ap.add_argument("--balanced", action="store_true",
                     help="round every map's rows up to a multiple of programs x tile rows (no item imbalance)")
     ap.add_argument("--rounds", type=int, default=2, help="time every variant this many times, interleaved")
@@ -506,7 +542,10 @@ def main(argv: list[str] | None = None) -> int:
     from rankserve.bench.decode import copy_bandwidth, write_json
     from rankserve.bench.stream_probe import measure
     dev = torch.device("cuda")
-    programs = 2 * torch.cuda.get_device_properties(dev).multi_processor_count  # all resident: checked below
+    if args.per_sm < 1:
+        print(f"error: --per-sm {args.per_sm}: at least 1", file=sys.stderr)
+        return 2
+    programs = args.per_sm * torch.cuda.get_device_properties(dev).multi_processor_count  # all resident: checked
     if args.balanced:
         shape.round_rows = programs * shape.block_n
     chain = Chain(shape, programs, dev)
@@ -518,13 +557,15 @@ def main(argv: list[str] | None = None) -> int:
     for rnd in range(args.rounds):
         for mode in args.modes:
             for stages in args.stages:
-                for dep, release in [(d, r) for d in args.deps for r in args.releases]:
-                    if release != "cta" and dep in ("none", "data"):  # (nothing to count)
+                for dep, release, fence in [(d, r, f) for d in args.deps for r in args.releases
+                                            for f in args.fences]:
+                    if (release != "cta" or fence != "both") and dep in ("none", "data"):  # (nothing to count)
                         continue
-                    row = dict(mode=mode, stages=stages, dep=dep, release=release, round=rnd, bytes=chain.nbytes)
+                    row = dict(mode=mode, stages=stages, dep=dep, release=release, fence=fence, round=rnd,
+                               bytes=chain.nbytes)
                     try:
-                        def fn(mode=mode, stages=stages, dep=dep, release=release):
-                            return chain.run(mode, stages, dep, release)
+                        def fn(mode=mode, stages=stages, dep=dep, release=release, fence=fence):
+                            return chain.run(mode, stages, dep, release, fence)
                         if rnd == 0:
                             chain.y.zero_()
                             row["rel_err"] = check(fn(), ref)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rankserve.bench import chain_probe
-from rankserve.bench.chain_probe import DEPS, MODES, Chain, ChainShape, check, maps, segments
+from rankserve.bench.chain_probe import DEPS, FENCES, MODES, Chain, ChainShape, check, maps, segments
 
 # every map's input within 4 tiles of 16, down V's 176 columns in three blocks (64, 64, 48), ragged items
 TINY = ChainShape(hidden=64, rank_qkv=16, rank_o=32, rank_gu=24, rank_d=32, inter=176, layers=2, block_n=4,
@@ -40,6 +40,17 @@ def test_every_variant_computes_every_segment(mode, dep):
         chain.y.fill_(float("nan"))
         assert check(chain.run(mode, 3, dep), ref) <= 10 * _torch_err(chain) + 1e-6
     assert int(chain.ep) == 2
+
+
+@pytest.mark.parametrize("fence", FENCES[1:])
+@pytest.mark.parametrize("mode", MODES)
+def test_every_memory_order_computes_every_segment_and_counts_every_program(mode, fence):
+    chain = Chain(TINY, 1, torch.device("cpu"))
+    chain.y.fill_(float("nan"))
+    assert check(chain.run(mode, 3, "stage", "cta", fence), chain.reference()) <= 10 * _torch_err(chain) + 1e-6
+    n_maps = TINY.layers * len(maps(TINY))  # a counter a map: down V (map 6) counted by each of its 3 blocks
+    counted = chain.ctr.view(-1, chain_probe.PAD.value)[:, 0]
+    assert counted[:n_maps].tolist() == [3 if m % len(maps(TINY)) == 6 else 1 for m in range(n_maps)]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -114,6 +125,8 @@ def test_run_rejects_unknown_variants():
         chain.run("stream", 3, "flags")
     with pytest.raises(ValueError, match="one of"):
         chain.run("stream", 3, "stage", "grid")
+    with pytest.raises(ValueError, match="one of"):
+        chain.run("stream", 3, "stage", "cta", "seq_cst")
     with pytest.raises(ValueError, match="GPU only"):
         chain.run("stream", 3, "stage", "warp")
 
@@ -149,14 +162,14 @@ def test_markdown_has_a_row_per_variant_with_its_rounds(tmp_path, capsys):
     assert "NVIDIA H200" in capsys.readouterr().out
 
 
-def compile_ptx(mode: str, dep: int, warp: bool = False) -> str:
+def compile_ptx(mode: str, dep: int, warp: bool = False, fence: int = 0) -> str:
     """PTX of the probe kernel for sm90 at the 7B tiles (needs real JIT functions: run without TRITON_INTERPRET)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     kern = chain_probe._loops_kernel if mode == "loops" else chain_probe._stream_kernel
     names = list(inspect.signature(kern.fn).parameters)
-    consts = dict(BLOCK_N=8, BLOCK_K=1024, STAGES=3, DEP=dep, ASM=True, SPREAD=8, WARP=warp)
+    consts = dict(BLOCK_N=8, BLOCK_K=1024, STAGES=3, DEP=dep, ASM=True, SPREAD=8, WARP=warp, FENCE=fence)
     ptrs = {"w_ptr": "*bf16", "seg_ptr": "*i64", "need_ptr": "*i32", "tot_ptr": "*i32", "x_ptr": "*fp32",
             "y_ptr": "*fp32", "ctr_ptr": "*i32", "tag_ptr": "*i32", "ep_ptr": "*i32"}
     sig = {n: ptrs.get(n, "i32") for n in names if n not in consts}
@@ -175,7 +188,8 @@ def test_sm90_build_streams_weights_through_async_copies_in_every_variant():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json, sys; sys.path.insert(0, 'tests'); import test_bench_chain_probe as t; "
             "out = {f'{m}{d}': t.compile_ptx(m, d) for m in ('loops', 'stream') for d in range(5)}; "
-            "out.update({f'{m}w': t.compile_ptx(m, 0, True) for m in ('loops', 'stream')}); print(json.dumps(out))")
+            "out.update({f'{m}w': t.compile_ptx(m, 0, True) for m in ('loops', 'stream')}); "
+            "out.update({f'streamf{f}': t.compile_ptx('stream', 0, fence=f) for f in (1, 2)}); print(json.dumps(out))")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert run.returncode == 0, f"offline sm90 compile failed:\n{run.stderr[-3000:]}"
@@ -185,7 +199,11 @@ def test_sm90_build_streams_weights_through_async_copies_in_every_variant():
         assert sum("cp.async.cg.shared.global" in l for l in lines) >= 16, f"{key}: weight stream not pipelined"
         assert not [l for l in lines if "cp.async.ca" in l], key
         named = sum("bar.sync 1, 128" in l for l in lines)
-        inside = {"loops1", "stream0", "stream1", "stream4"}  # the variants counting inside the pipelined loop
+        inside = {"loops1", "stream0", "stream1", "stream4", "streamf1", "streamf2"}  # counting inside the loop
         assert named == (1 if key in inside else 0), f"{key}: {named} named barriers"
         assert ("bar.warp.sync" in text) == key.endswith("w"), key
     assert "ld.volatile.global" in ptx["stream3"]  # the tagged words are re-read from memory, not from a register
+    # the memory orders: a relaxed add and acquire polls; a release add, relaxed polls and one acquire fence
+    assert "red.relaxed.gpu" in ptx["streamf1"] and ".release" not in ptx["streamf1"] and "acquire" in ptx["streamf1"]
+    assert "red.release.gpu" in ptx["streamf2"] and "fence.acq_rel.gpu" in ptx["streamf2"]
+    assert "acquire" not in ptx["streamf2"]
