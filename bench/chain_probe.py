@@ -37,7 +37,8 @@ copy bandwidth) vs a loop a segment 2.522; with the stage counters 2.930 vs 2.99
 program given the same items (--balanced) the waits cost as much (chain-probe-h200-balanced.json). Session 16: more
 stages (--stages 4 6, or 8 and 12 with --per-sm 1) do not shorten the waits (chain-probe-h200-depth*.json); with the
 counters' fences removed (--fences none: relaxed adds and polls, timing only) one loop still takes 2.706 ms against
-2.244 without waits, 1.44 us a boundary of bare round trips (chain-probe-h200-fences.json).
+2.244 without waits: ~1.8 us of bare round trips for each of the 8 dependent hops a layer
+(chain-probe-h200-fences.json).
 
 Usage: python -m rankserve.bench.chain_probe --out bench/results/chain-probe-h200.json
        python -m rankserve.bench.chain_probe --markdown bench/results/chain-probe-h200.json
