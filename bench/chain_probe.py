@@ -370,7 +370,7 @@ def _loops_kernel(w_ptr, seg_ptr, need_ptr, tot_ptr, x_ptr, y_ptr, ctr_ptr, tag_
 def _stream_kernel(w_ptr, seg_ptr, need_ptr, tot_ptr, x_ptr, y_ptr, ctr_ptr, tag_ptr, ep_ptr, n_seg, spread,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, DEP: tl.constexpr,
                    ASM: tl.constexpr = False, SPREAD: tl.constexpr = 8, WARP: tl.constexpr = False,
-                  FENCE: tl.constexpr = 0):
+                   FENCE: tl.constexpr = 0):
     """One pipelined loop over all of this program's steps (tot_ptr[rank] of them): the segment advances inside
     the loop, so the weight tiles run STAGES - 1 steps ahead across segment boundaries."""
     rank = tl.program_id(0)
@@ -537,15 +537,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --tile {args.tile!r}: rows x columns, powers of two, 4 tiles covering 4096 ({e})",
               file=sys.stderr)
         return 2
+    if args.per_sm < 1:
+        print(f"error: --per-sm {args.per_sm}: at least 1", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("error: bench chain_probe needs a CUDA GPU", file=sys.stderr)
         return 2
     from rankserve.bench.decode import copy_bandwidth, write_json
     from rankserve.bench.stream_probe import measure
     dev = torch.device("cuda")
-    if args.per_sm < 1:
-        print(f"error: --per-sm {args.per_sm}: at least 1", file=sys.stderr)
-        return 2
     programs = args.per_sm * torch.cuda.get_device_properties(dev).multi_processor_count  # all resident: checked
     if args.balanced:
         shape.round_rows = programs * shape.block_n

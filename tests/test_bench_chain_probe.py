@@ -140,6 +140,8 @@ def test_cli_refuses_bad_tiles_and_a_machine_without_a_gpu(capsys, tmp_path):
     assert chain_probe.main(["--tile", "8x1000", "--out", str(tmp_path / "p.json")]) == 2
     assert "--tile" in capsys.readouterr().err
     assert chain_probe.main(["--tile", "eight", "--out", str(tmp_path / "p.json")]) == 2
+    assert chain_probe.main(["--per-sm", "0", "--out", str(tmp_path / "p.json")]) == 2
+    assert "--per-sm" in capsys.readouterr().err
     if torch.cuda.is_available():
         return
     assert chain_probe.main(["--out", str(tmp_path / "p.json")]) == 2
