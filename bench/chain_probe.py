@@ -26,6 +26,16 @@ its own segment, as the step's split_down_v) and write y = W x. What a segment w
     data    a flag-in-data protocol: every item also writes its rows as 32-bit words, a bf16 value in the high half
             and the pass's epoch (a step's position) in the low; a consumer re-reads its input's words until all
             carry the epoch: no counter, no fence, one round trip when the data is there
+    local-v the U maps and o V wait as for stage; q/k/v V, gate/up V and down V's blocks wait for nothing. This is
+            the bound of a schedule where each program's V partial reads only the rows of x it wrote itself in the
+            previous U map (x's slice owned, V stored by columns), so that only the partials' sum is all-to-all:
+            5 dependent hops a layer instead of 8 (o V's wait stands for attention's on q/k/v U). It leaves out
+            what summing the partials would cost (the local V maps have 1792-3696 rows, 264 partials each)
+    local-v-sum  local-v with that sum's traffic: after each local V map (before its release) every program adds
+            a partial of the map's rows into one fp32 vector a segment with relaxed atomics (1.0 a row, so the
+            sums count the programs); the U map's wait then waits for the adds as well
+    local-v-sum4  the same with one 16-byte vector add (red.v4.f32) for 4 rows instead of 4 scalar adds (GPU; the
+            interpreter adds them one by one)
 
 The values every variant computes with are the fixed x (the tagged words carry x's value at their row), so every
 variant computes the same y, checked against torch's W x before it is timed (graph replay, cold L2, median, as
@@ -38,7 +48,9 @@ program given the same items (--balanced) the waits cost as much (chain-probe-h2
 stages (--stages 4 6, or 8 and 12 with --per-sm 1) do not shorten the waits (chain-probe-h200-depth*.json); with the
 counters' fences removed (--fences none: relaxed adds and polls, timing only) one loop still takes 2.706 ms against
 2.244 without waits: ~1.8 us of bare round trips for each of the 8 dependent hops a layer
-(chain-probe-h200-fences.json).
+(chain-probe-h200-fences.json). Session 18: with q/k/v V, gate/up V and down V waiting for nothing (local-v, 5
+hops a layer) one loop takes 2.699 ms against 2.911 with the step's counters, but summing the V partials with
+atomics (local-v-sum, local-v-sum4) takes it to 3.09-3.11 ms (chain-probe-h200-localv*.json).
 
 Usage: python -m rankserve.bench.chain_probe --out bench/results/chain-probe-h200.json
        python -m rankserve.bench.chain_probe --markdown bench/results/chain-probe-h200.json
@@ -57,7 +69,8 @@ import triton.language as tl
 
 PAD = tl.constexpr(32)  # int32 counters a 128-byte line apart
 COLS = 16  # int64 columns of the segment table (see segments())
-DEPS = ("stage", "blocks", "none", "data", "spread")  # what a segment waits for (see the module docstring)
+# what a segment waits for (see the module docstring)
+DEPS = ("stage", "blocks", "none", "data", "spread", "local-v", "local-v-sum", "local-v-sum4")
 SPREAD = 8  # counters a map for the spread dependency
 RELEASES = ("cta", "warp")  # how a program counts itself done (Chain.run)
 # the memory order of the counters (Chain.run): release adds and acquire polls (right), a relaxed add (timing only),
@@ -109,7 +122,8 @@ def segments(s: ChainShape, device: torch.device) -> tuple[torch.Tensor, torch.T
     map), 6 its target / P, 7 the counter released into (one a map); the blocks dependency: 8 the first counter of
     this map's output blocks (BLOCK_K rows each), 10 the first counter of the blocks it reads (its tile kc reads
     block kc; -1: none), a block's target the number of producer items in it; the data dependency: 11 where its
-    input's tagged words start (-1: none), 12 how many partials it sums (down U: down V's blocks), 13 their stride.
+    input's tagged words start (-1: none), 12 how many partials it sums (down U: down V's blocks), 13 their stride;
+    the local-v dependency: 14 the counter waited on (-1: none; its target column 6, its release column 7).
     The counters: one a map, then the blocks, each PAD apart (Chain adds SPREAD a map after them)."""
     bk, bn = s.block_k, s.block_n
     n_maps = s.layers * len(maps(s))
@@ -127,8 +141,9 @@ def segments(s: ChainShape, device: torch.device) -> tuple[torch.Tensor, torch.T
             kc = min(4 * bk, k - c * 4 * bk)
             wait_blk = prev_blk + 4 * c if prev_blk >= 0 else -1
             tag_in = prev_y + 4 * bk * c if prev_y >= 0 else -1
+            local = -1 if name in ("qkv V", "gate/up V", "down V") else prev  # the local-v dependency's wait
             rows.append([w_off + c * 4 * bk, n, kc, k, y_off, prev, mult, m, own, 0, wait_blk, tag_in, mult, prev_n,
-                         0, 0])
+                         local, 0])
             y_off += n
             for i in range(-(-n // bn)):  # each item of the segment counts into its block
                 need[own + i * bn // bk] += 1
@@ -250,10 +265,30 @@ def _release(ptr, ASM: tl.constexpr, WARP: tl.constexpr, FENCE: tl.constexpr = 0
 
 
 @triton.jit
-def _count_done(ctr_ptr, row, rank, spread, ASM: tl.constexpr, SPREAD: tl.constexpr, WARP: tl.constexpr,
-                DEP: tl.constexpr, FENCE: tl.constexpr = 0):
-    """The stage and spread dependencies: count this program done with the segment at table row `row`."""
-    if DEP == 0:
+def _count_done(ctr_ptr, sum_ptr, row, rank, spread, ASM: tl.constexpr, SPREAD: tl.constexpr, WARP: tl.constexpr,
+                DEP: tl.constexpr, FENCE: tl.constexpr = 0, BLOCK_K: tl.constexpr = 1024, VEC: tl.constexpr = False):
+    """The stage, local-v and spread dependencies: count this program done with the segment at table row `row`
+    (local-v-sum: a local V map's partial added into the segment's sum first; VEC, GPU: 4 rows an add)."""
+    if DEP == 6 or DEP == 7:
+        if tl.load(row + 14) < 0:
+            n = tl.load(row + 1).to(tl.int32)
+            y_off = tl.load(row + 4)
+            if DEP == 7 and VEC:  # 4 rows an add (n and y_off are multiples of 16: the vectors are aligned)
+                for c in range(0, n, BLOCK_K):
+                    q = c + 4 * tl.arange(0, BLOCK_K // 4)
+                    # (1.0 passed as its bits: triton 3.6 refuses a pointer and a float operand together)
+                    tl.inline_asm_elementwise(
+                        "{ .reg .pred p; .reg .f32 v; mov.b32 v, $3; setp.ne.u32 p, $2, 0; "
+                        "@p red.relaxed.gpu.global.add.v4.f32 [$1], {v, v, v, v}; mov.u32 $0, 0; }",
+                        "=r,l,r,r", [sum_ptr + y_off + q, (q < n).to(tl.int32),
+                                     tl.full((BLOCK_K // 4,), 0x3F800000, tl.int32)],
+                        dtype=tl.int32, is_pure=False, pack=1)
+            else:
+                for c in range(0, n, BLOCK_K):
+                    offs = c + tl.arange(0, BLOCK_K)
+                    tl.atomic_add(sum_ptr + y_off + offs, tl.full((BLOCK_K,), 1.0, tl.float32), mask=offs < n,
+                                  sem="relaxed")
+    if DEP == 0 or DEP >= 5:
         _release(ctr_ptr + tl.load(row + 7) * PAD, ASM, WARP, FENCE)
     if DEP == 4:
         _release(ctr_ptr + (spread + tl.load(row + 7) * SPREAD + rank % SPREAD) * PAD, ASM, WARP, FENCE)
@@ -271,15 +306,16 @@ def _tile(w_ptr, w_off, n, k, ld, r, nk, rank, P, BLOCK_N: tl.constexpr, BLOCK_K
 
 
 @triton.jit
-def _body(seg_ptr, need_ptr, ctr_ptr, tag_ptr, ep, spread, x_ptr, y_ptr, s, w, n, k, y_off, r, nk, steps, rank, P,
-          acc, x1, x2, x3, x4, known, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEP: tl.constexpr,
+def _body(seg_ptr, need_ptr, ctr_ptr, tag_ptr, sum_ptr, ep, spread, x_ptr, y_ptr, s, w, n, k, y_off, r, nk, steps,
+          rank, P, acc, x1, x2, x3, x4, known, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEP: tl.constexpr,
           ASM: tl.constexpr, SPREAD: tl.constexpr, WARP: tl.constexpr, IN_LOOP: tl.constexpr,
           FENCE: tl.constexpr = 0):
     """Step r of segment s with its weight tile w: the dependency (DEP 0 the segment's stage counter at its first
-    step; 1 the block of x this tile reads, the first time the program reads it in the segment; 2 none; 3 its
-    input's tagged words, read until they carry this pass's epoch ep), the x tile, acc += w . x, the item's y
-    stored at its last tile (DEP 1: counted into its block; DEP 3: also written tagged, the value the fixed x's at
-    that row, so every variant computes the same y); DEP 0: the segment's release after its last step."""
+    step, DEP 5-7 the same for the U maps and o V only; 1 the block of x this tile reads, the first time the program
+    reads it in the segment; 2 none; 3 its input's tagged words, read until they carry this pass's epoch ep), the x
+    tile, acc += w . x, the item's y stored at its last tile (DEP 1: counted into its block; DEP 3: also written
+    tagged, the value the fixed x's at that row, so every variant computes the same y); DEP 0 and 5-7: the
+    segment's release after its last step (6, 7: after its partial's adds)."""
     row = seg_ptr + s * 16
     RELS: tl.constexpr = 4 if WARP else 1  # releases a program (or an item) makes
     it = r // nk
@@ -288,8 +324,8 @@ def _body(seg_ptr, need_ptr, ctr_ptr, tag_ptr, ep, spread, x_ptr, y_ptr, s, w, n
     offs_n = item * BLOCK_N + tl.arange(0, BLOCK_N)
     if r == 0:
         known = 0
-        if DEP == 0:
-            c = tl.load(row + 5)
+        if DEP == 0 or DEP >= 5:
+            c = tl.load(row + (14 if DEP >= 5 else 5))
             if c >= 0:
                 _poll(ctr_ptr + c * PAD, tl.load(row + 6).to(tl.int32) * P * RELS, FENCE, ASM)
         if DEP == 4:
@@ -332,7 +368,7 @@ def _body(seg_ptr, need_ptr, ctr_ptr, tag_ptr, ep, spread, x_ptr, y_ptr, s, w, n
                 _release(ctr_ptr + (tl.load(row + 8) + item * BLOCK_N // BLOCK_K) * PAD, ASM, WARP, FENCE)
     if IN_LOOP:  # (the loops kernel counts itself after its loop, as the step does)
         if r == steps - 1:
-            _count_done(ctr_ptr, row, rank, spread, ASM, SPREAD, WARP, DEP, FENCE)
+            _count_done(ctr_ptr, sum_ptr, row, rank, spread, ASM, SPREAD, WARP, DEP, FENCE, BLOCK_K, ASM)
     return tl.where(last, 0.0, acc), x1, x2, x3, x4, known
 
 
@@ -344,7 +380,8 @@ def _no_input(BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _loops_kernel(w_ptr, seg_ptr, need_ptr, tot_ptr, x_ptr, y_ptr, ctr_ptr, tag_ptr, ep_ptr, n_seg, spread,
+def _loops_kernel(w_ptr, seg_ptr, need_ptr, tot_ptr, x_ptr, y_ptr, ctr_ptr, tag_ptr, sum_ptr, ep_ptr,
+                  n_seg, spread,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, DEP: tl.constexpr,
                   ASM: tl.constexpr = False, SPREAD: tl.constexpr = 8, WARP: tl.constexpr = False,
                   FENCE: tl.constexpr = 0):
@@ -360,14 +397,16 @@ def _loops_kernel(w_ptr, seg_ptr, need_ptr, tot_ptr, x_ptr, y_ptr, ctr_ptr, tag_
         known = 0
         for r in tl.range(0, steps, num_stages=STAGES):
             w = _tile(w_ptr, w_off, n, k, ld, r, nk, rank, P, BLOCK_N, BLOCK_K)
-            acc, x1, x2, x3, x4, known = _body(seg_ptr, need_ptr, ctr_ptr, tag_ptr, ep, spread, x_ptr, y_ptr, s, w,
-                                               n, k, y_off, r, nk, steps, rank, P, acc, x1, x2, x3, x4, known,
-                                               BLOCK_N, BLOCK_K, DEP, ASM, SPREAD, WARP, False, FENCE)
-        _count_done(ctr_ptr, seg_ptr + s * 16, rank, spread, False, SPREAD, WARP, DEP, FENCE)
+            acc, x1, x2, x3, x4, known = _body(seg_ptr, need_ptr, ctr_ptr, tag_ptr, sum_ptr, ep, spread, x_ptr,
+                                               y_ptr, s, w, n, k, y_off, r, nk, steps, rank, P, acc, x1, x2, x3, x4,
+                                               known, BLOCK_N, BLOCK_K, DEP, ASM, SPREAD, WARP, False, FENCE)
+        _count_done(ctr_ptr, sum_ptr, seg_ptr + s * 16, rank, spread, False, SPREAD, WARP, DEP, FENCE, BLOCK_K,
+                    ASM)
 
 
 @triton.jit
-def _stream_kernel(w_ptr, seg_ptr, need_ptr, tot_ptr, x_ptr, y_ptr, ctr_ptr, tag_ptr, ep_ptr, n_seg, spread,
+def _stream_kernel(w_ptr, seg_ptr, need_ptr, tot_ptr, x_ptr, y_ptr, ctr_ptr, tag_ptr, sum_ptr, ep_ptr,
+                  n_seg, spread,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, DEP: tl.constexpr,
                    ASM: tl.constexpr = False, SPREAD: tl.constexpr = 8, WARP: tl.constexpr = False,
                    FENCE: tl.constexpr = 0):
@@ -390,9 +429,9 @@ def _stream_kernel(w_ptr, seg_ptr, need_ptr, tot_ptr, x_ptr, y_ptr, ctr_ptr, tag
             w_off, n, k, ld, y_off, nk, steps = _params(seg_ptr, s, rank, P, BLOCK_N, BLOCK_K)
         r = j - start
         w = _tile(w_ptr, w_off, n, k, ld, r, nk, rank, P, BLOCK_N, BLOCK_K)
-        acc, x1, x2, x3, x4, known = _body(seg_ptr, need_ptr, ctr_ptr, tag_ptr, ep, spread, x_ptr, y_ptr, s, w, n,
-                                           k, y_off, r, nk, steps, rank, P, acc, x1, x2, x3, x4, known, BLOCK_N,
-                                           BLOCK_K, DEP, ASM, SPREAD, WARP, True, FENCE)
+        acc, x1, x2, x3, x4, known = _body(seg_ptr, need_ptr, ctr_ptr, tag_ptr, sum_ptr, ep, spread, x_ptr, y_ptr,
+                                           s, w, n, k, y_off, r, nk, steps, rank, P, acc, x1, x2, x3, x4, known,
+                                           BLOCK_N, BLOCK_K, DEP, ASM, SPREAD, WARP, True, FENCE)
 
 
 MODES = ("loops", "stream")
@@ -414,6 +453,7 @@ class Chain:
         self.ctr = torch.zeros((len(self.need) + SPREAD * shape.layers * len(maps(shape))) * PAD.value,
                                dtype=torch.int32, device=device)
         self.tag = torch.zeros(n_y, dtype=torch.int32, device=device)  # the data dependency's tagged outputs
+        self.sums = torch.zeros(n_y, dtype=torch.float32, device=device)  # local-v-sum's partial sums, a segment
         self.ep = torch.zeros(1, dtype=torch.int32, device=device)  # its epoch, advanced a pass (as a step's position)
         self.total = torch.tensor([self.steps(rk) for rk in range(programs)], dtype=torch.int32, device=device)
         self.nbytes = n_w * 2
@@ -438,10 +478,12 @@ class Chain:
         if release == "warp" and not self.w.is_cuda:
             raise ValueError("chain probe: the warp release is inline PTX (GPU only)")
         self.ctr.zero_()
+        if dep.startswith("local-v-sum"):
+            self.sums.zero_()
         self.ep.add_(1)
         kern = _loops_kernel if mode == "loops" else _stream_kernel
         on_gpu = self.w.is_cuda
-        args = (self.w, self.table, self.need, self.total, self.x, self.y, self.ctr, self.tag, self.ep,
+        args = (self.w, self.table, self.need, self.total, self.x, self.y, self.ctr, self.tag, self.sums, self.ep,
                 len(self.segs), len(self.need))
         consts = dict(BLOCK_N=self.shape.block_n, BLOCK_K=self.shape.block_k, STAGES=stages if on_gpu else 1,
                       DEP=DEPS.index(dep), ASM=on_gpu, SPREAD=SPREAD, WARP=release == "warp",
@@ -489,7 +531,10 @@ def markdown(res: dict) -> str:
         return r["mode"], r["stages"], r["dep"], r.get("release", "cta"), r.get("fence", "both")
     keys = list(dict.fromkeys(key(r) for r in res["rows"]))
     said = {"stage": "the previous segment", "blocks": "the blocks of x it reads", "none": "nothing",
-            "data": "its input's tagged words", "spread": f"the previous segment, over {SPREAD} counters"}
+            "data": "its input's tagged words", "spread": f"the previous segment, over {SPREAD} counters",
+            "local-v": "the previous segment, U maps and o V only (5 hops a layer; a bound)",
+            "local-v-sum": "the previous segment, U maps and o V only, the V partials' sums added atomically",
+            "local-v-sum4": "the previous segment, U maps and o V only, the V partials' sums added 4 rows an add"}
     fenced = {"relaxed-add": ", relaxed adds (timing only)", "one-acquire": ", relaxed polls and one acquire fence",
               "none": ", no memory order (timing only)"}
     for mode, stages, dep, release, fence in keys:
@@ -509,7 +554,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", type=int, nargs="+", default=[3], help="pipeline depths to time")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--deps", nargs="+", default=list(DEPS), choices=DEPS,
-                    help="what a segment waits for: the previous one (as the step), the blocks of x it reads, nothing")
+                    help="what a segment waits for: the previous one (as the step), the blocks of x it reads, nothing, "
+                         "tagged data, spread counters, or the previous one for U maps and o V only (local-v; "
+                         "local-v-sum(4) with the V partials' atomic sums, 1 or 4 rows an add)")
     ap.add_argument("--releases", nargs="+", default=["cta"], choices=RELEASES,
                     help="how a program counts itself done: a CTA barrier then one add, or one add a warp")
     ap.add_argument("--fences", nargs="+", default=["both"], choices=FENCES,
@@ -572,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
                             row["rel_err"] = check(fn(), ref)
                         measure(row, fn, res["copy_bw"], args.rep_ms)
                     except Exception as e:  # one variant that does not compile must not lose the others
-                        row["error"] = repr(e)[:1500]
+                        row["error"] = repr(e)[-1500:]  # (a compile error says what failed at its end)
                     res["rows"].append(row)
                     print(row, flush=True)
                     write_json(Path(args.out), res)

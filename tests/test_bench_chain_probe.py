@@ -83,6 +83,27 @@ def test_segments_chain_the_steps_maps():
     assert n_y == sum(n for _, n, _, _, _ in segs)
 
 
+def test_local_v_waits_only_in_the_u_maps_and_o_v():
+    table, _, _, _, _ = segments(TINY, torch.device("cpu"))
+    names = [name for name, _, _ in maps(TINY)]
+    names = names[:6] + ["down V"] * 2 + names[6:]  # down V in three column blocks
+    t = table.tolist()
+    for i, row in enumerate(t):
+        local_v = names[i % len(names)] in ("qkv V", "gate/up V", "down V")
+        assert row[14] == (-1 if local_v else row[5])  # the U maps and o V wait as the stage dependency does
+    assert sum(r[14] >= 0 for r in t) == 5 * TINY.layers  # 5 dependent hops a layer instead of 8
+    chain = Chain(TINY, 1, torch.device("cpu"))
+    chain.run("loops", 3, "local-v")  # every map still counted, as with the stage dependency
+    ctr = chain.ctr.view(-1, chain_probe.PAD.value)[:, 0]
+    n_maps = TINY.layers * len(maps(TINY))
+    assert ctr[:n_maps].tolist() == [3 if m % len(maps(TINY)) == 6 else 1 for m in range(n_maps)]
+    for mode in MODES:  # local-v-sum: each local V segment's rows summed once a program, nothing else
+        chain.sums.fill_(7.0)
+        chain.run(mode, 3, "local-v-sum")  # (local-v-sum4 is the same on the CPU: it runs in the DEPS test)
+        for row, (_, n, _, _, y_off) in zip(t, chain.segs):
+            assert bool((chain.sums[y_off:y_off + n] == (1.0 if row[14] < 0 else 0.0)).all())
+
+
 def test_balanced_shape_gives_every_program_the_same_items():
     s = ChainShape(hidden=64, rank_qkv=16, rank_o=32, rank_gu=24, rank_d=32, inter=176, layers=1, block_n=4,
                    block_k=16, round_rows=3 * 4)
@@ -173,7 +194,7 @@ def compile_ptx(mode: str, dep: int, warp: bool = False, fence: int = 0) -> str:
     names = list(inspect.signature(kern.fn).parameters)
     consts = dict(BLOCK_N=8, BLOCK_K=1024, STAGES=3, DEP=dep, ASM=True, SPREAD=8, WARP=warp, FENCE=fence)
     ptrs = {"w_ptr": "*bf16", "seg_ptr": "*i64", "need_ptr": "*i32", "tot_ptr": "*i32", "x_ptr": "*fp32",
-            "y_ptr": "*fp32", "ctr_ptr": "*i32", "tag_ptr": "*i32", "ep_ptr": "*i32"}
+            "y_ptr": "*fp32", "ctr_ptr": "*i32", "tag_ptr": "*i32", "sum_ptr": "*fp32", "ep_ptr": "*i32"}
     sig = {n: ptrs.get(n, "i32") for n in names if n not in consts}
     sig.update({n: "constexpr" for n in consts})
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
@@ -189,7 +210,7 @@ def test_sm90_build_streams_weights_through_async_copies_in_every_variant():
     step does; only its per-item block counts are inside."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json, sys; sys.path.insert(0, 'tests'); import test_bench_chain_probe as t; "
-            "out = {f'{m}{d}': t.compile_ptx(m, d) for m in ('loops', 'stream') for d in range(5)}; "
+            "out = {f'{m}{d}': t.compile_ptx(m, d) for m in ('loops', 'stream') for d in range(8)}; "
             "out.update({f'{m}w': t.compile_ptx(m, 0, True) for m in ('loops', 'stream')}); "
             "out.update({f'streamf{f}': t.compile_ptx('stream', 0, fence=f) for f in (1, 2)}); print(json.dumps(out))")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
@@ -201,9 +222,12 @@ def test_sm90_build_streams_weights_through_async_copies_in_every_variant():
         assert sum("cp.async.cg.shared.global" in l for l in lines) >= 16, f"{key}: weight stream not pipelined"
         assert not [l for l in lines if "cp.async.ca" in l], key
         named = sum("bar.sync 1, 128" in l for l in lines)
-        inside = {"loops1", "stream0", "stream1", "stream4", "streamf1", "streamf2"}  # counting inside the loop
+        inside = {"loops1", "stream0", "stream1", "stream4", "stream5", "stream6", "stream7", "streamf1",
+                  "streamf2"}  # counting inside the loop
         assert named == (1 if key in inside else 0), f"{key}: {named} named barriers"
         assert ("bar.warp.sync" in text) == key.endswith("w"), key
+    assert "red.global.gpu.relaxed.add.f32" in ptx["stream6"]  # local-v-sum's adds, a row each
+    assert all("red.relaxed.gpu.global.add.v4.f32" in ptx[f"{m}7"] for m in ("loops", "stream"))  # and 4 rows each
     assert "ld.volatile.global" in ptx["stream3"]  # the tagged words are re-read from memory, not from a register
     # the memory orders: a relaxed add and acquire polls; a release add, relaxed polls and one acquire fence
     assert "red.relaxed.gpu" in ptx["streamf1"] and ".release" not in ptx["streamf1"] and "acquire" in ptx["streamf1"]
