@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="models/reference")
     ap.add_argument("--keep", type=float, default=0.6)
     ap.add_argument("--pool-factor", type=float, default=2.0)
-    ap.add_argument("--calib", default=str(WIKI_VALID), help="whitening calibration text (the criterion's: WikiText-2 valid)")
+    ap.add_argument("--calib", default=str(WIKI_VALID),
+                    help="whitening calibration text (the criterion's: WikiText-2 valid)")
     ap.add_argument("--windows", type=int, default=0, help="held-out windows to fit (0: all of bench/parse.py's)")
     ap.add_argument("--objectives", nargs="+", default=list(OBJECTIVES), choices=OBJECTIVES)
     ap.add_argument("--steps", type=int, default=OracleConfig.steps)

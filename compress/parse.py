@@ -35,7 +35,10 @@ term is estimated from `sample_tokens` tokens per window (unbiased, rescaled by 
 What we measured on the reference model (bench/results/parse.md): the layer-local objective has little
 headroom over static truncation (even the per-window oracle lowers the mean relative error by ~4 % and
 perplexity by ~1 %), and the STE on it alone overfit; the end-to-end KD stage is what moves perplexity, and
-it transfers across domains poorly, so the router-training corpus matters (see the bench notes).
+it transfers across domains poorly, so the router-training corpus matters (see the bench notes). Subsets fitted
+end to end per held-out window (bench/parse_oracle.py) halve the KL when fitted on the scored tokens themselves, and
+make the continuation worse when fitted on the prompt. So on this model, what a continuation needs is not visible in
+its prompt.
 
 Choices (seed-algorithms §1.4 open questions; the same text is stored in manifest.methods["parse"]["choices"]):
 see CHOICES below.
