@@ -10,6 +10,9 @@ the scores start at the static order, Adam), for one of two objectives:
                   oracle, a bound on what choosing a subset per prompt can buy on this model and pool
     prompt        the same KL over the prompt's own next-token predictions (positions 1..63): the best a router
                   could do by fitting the prompt alone, what it sees, with the subset optimized for it directly
+    first-half    the same KL over the continuation's first 96 scored tokens, judged on the other 96 (every config
+                  is also scored on that second half): does a subset fitted on a stretch of a document help the
+                  document's next stretch, i.e. is what it needs a property of the document or of each token?
 
 Each window keeps the iterate with its lowest objective under hard masks (the STE's forward is the hard mask, so
 every step's loss is one), static truncation (the start) included: the continuation oracle's KL is never above
@@ -39,7 +42,7 @@ from rankserve.workers.checkpoint import load_checkpoint
 from rankserve.workers.model import Transformer
 from rankserve.workers.tokenizer import Tokenizer
 
-OBJECTIVES = ("continuation", "prompt")
+OBJECTIVES = ("continuation", "prompt", "first-half")
 
 
 @dataclass
@@ -100,9 +103,10 @@ def fit(pool: Transformer, x: torch.Tensor, ref: torch.Tensor, span: slice, k: d
 
 @torch.no_grad()
 def score(pool: Transformer, masks: dict[str, torch.Tensor] | None, x: torch.Tensor, ref: torch.Tensor,
-          prompt_len: int) -> dict[str, list[float]]:
+          prompt_len: int, late: int = 0) -> dict[str, list[float]]:
     """Per window, over the continuation (positions prompt_len-1 .. S-2 predicting tokens prompt_len .. S-1): mean
-    NLL, top-1 agreements with the dense model, KL(dense || pool)."""
+    NLL, top-1 agreements with the dense model, KL(dense || pool); with `late` > 0 the same over the continuation's
+    last `late` tokens alone, as late_nll, late_agree, late_kl."""
     lins = pool.projections()
     try:
         for n, m in (masks or {}).items():
@@ -113,8 +117,13 @@ def score(pool: Transformer, masks: dict[str, torch.Tensor] | None, x: torch.Ten
             lins[n].mask = None
     y = x[:, prompt_len:]
     nll = -lp.gather(-1, y[..., None])[..., 0].double()  # (B, T)
-    return dict(nll=nll.mean(1).tolist(), agree=(lp.argmax(-1) == ref.argmax(-1)).sum(1).tolist(),
-                kl=(ref.exp() * (ref - lp)).sum(-1).mean(1).tolist())
+    agree = lp.argmax(-1) == ref.argmax(-1)  # (B, T)
+    kl = (ref.exp() * (ref - lp)).sum(-1)  # (B, T)
+    out = dict(nll=nll.mean(1).tolist(), agree=agree.sum(1).tolist(), kl=kl.mean(1).tolist())
+    if late:
+        out.update(late_nll=nll[:, -late:].mean(1).tolist(), late_agree=agree[:, -late:].sum(1).tolist(),
+                   late_kl=kl[:, -late:].mean(1).tolist())
+    return out
 
 
 def summarize(per: dict[str, dict[str, list[float]]], tokens_a_window: int) -> dict[str, dict]:
@@ -165,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.windows:
         windows = windows[:a.windows]
     S, P = windows.shape[1], cfg.prompt_len
-    spans = {"continuation": slice(P - 1, S - 1), "prompt": slice(0, P - 1)}
-    per: dict[str, dict[str, list[float]]] = {name: dict(nll=[], agree=[], kl=[])
+    half = (S - P) // 2  # the continuation's second half: where first-half's fit is judged
+    spans = {"continuation": slice(P - 1, S - 1), "prompt": slice(0, P - 1), "first-half": slice(P - 1, S - 1 - half)}
+    per: dict[str, dict[str, list[float]]] = {name: {m: [] for m in ("nll", "agree", "kl", "late_nll", "late_agree",
+                                                                     "late_kl")}
                                               for name in ["static", *a.objectives]}
     fitted: dict[str, list[float]] = {o: [] for o in a.objectives}
     overlap: dict[str, list[float]] = {o: [] for o in a.objectives}
@@ -176,27 +187,32 @@ def main(argv: list[str] | None = None) -> int:
             ref_all = F.log_softmax(dense(x), -1)  # (B, S, V)
         ref = ref_all[:, P - 1:-1]
         static = static_masks(k, r_max, len(x))
-        for name, r in score(pool, static, x, ref, P).items():
+        for name, r in score(pool, static, x, ref, P, half).items():
             per["static"][name] += r
         for o in a.objectives:
             masks, best = fit(pool, x, ref_all[:, spans[o]], spans[o], k, r_max, cfg)
             fitted[o] += best
-            for name, r in score(pool, masks, x, ref, P).items():
+            for name, r in score(pool, masks, x, ref, P, half).items():
                 per[o][name] += r
             same = sum((masks[n] * static[n]).sum(1) / k[n] for n in k) / len(k)  # (B,) share of static's picks kept
             overlap[o] += same.tolist()
     res = summarize(per, S - P)
+    late = summarize({name: {m[5:]: v for m, v in r.items() if m.startswith("late_")} for name, r in per.items()},
+                     half)
     for o in a.objectives:
         res[o]["overlap_with_static"] = st.mean(overlap[o])
         res[o]["fitted_objective_mean"] = st.mean(fitted[o])
-    for name, r in res.items():
-        extra = f", {r['overlap_with_static']:.3f} of static's picks kept" if "overlap_with_static" in r else ""
-        print(f"{name}: perplexity {r['perplexity']:.2f}, top-1 {r['top1_agreement']:.4f}, KL {r['kl']:.4f}, "
-              f"Δ NLL {r['dnll']:+.4f} ± {r['ci95']:.4f}{extra}")
+    for title, table in (("continuation", res), (f"continuation's last {half} tokens", late)):
+        print(f"scored on the {title}:")
+        for name, r in table.items():
+            extra = f", {r['overlap_with_static']:.3f} of static's picks kept" if "overlap_with_static" in r else ""
+            print(f"  {name}: perplexity {r['perplexity']:.2f}, top-1 {r['top1_agreement']:.4f}, KL {r['kl']:.4f}, "
+                  f"Δ NLL {r['dnll']:+.4f} ± {r['ci95']:.4f}{extra}")
     if a.out:
         from rankserve.bench.decode import write_json
         write_json(Path(a.out), dict(base=a.base, keep=a.keep, pool_factor=a.pool_factor, calib=Path(a.calib).name,
                                      windows=len(windows), seq_len=S, config=asdict(cfg), results=res,
+                                     results_last_half=late,
                                      seconds=round(time.time() - t0, 1),
                                      command="python -m rankserve.bench.parse_oracle "
                                              + " ".join(argv if argv is not None else sys.argv[1:])))

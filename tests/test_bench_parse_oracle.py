@@ -1,5 +1,6 @@
 """bench/parse_oracle.py: the fitted subsets are K-of-r_max masks, start at static truncation and never end worse
-than it on their own objective, score() under static masks is the first-K pool, and the CLI refuses bad input.
+than it on their own objective, score() under static masks is the first-K pool (also over the continuation's last
+tokens alone), and the CLI refuses bad input.
 Uses a small svd-llm pool of the bundled stories260K. Run alone: python -m pytest -q tests/test_bench_parse_oracle.py"""
 
 from pathlib import Path
@@ -72,6 +73,11 @@ def test_score_under_static_masks_is_the_first_k_pool(pool):
     assert got["agree"] == (lp.argmax(-1) == ref.argmax(-1)).sum(1).tolist()
     summary = parse_oracle.summarize({"static": got, "fit": got}, 16)
     assert summary["fit"]["dnll"] == 0.0 and summary["static"]["windows"] == 3
+    both = score(model, static_masks(k, r_max, len(x)), x, ref, 8, late=16)  # the last 16 tokens: all of them
+    assert both["late_nll"] == pytest.approx(both["nll"]) and both["late_agree"] == both["agree"]
+    part = score(model, static_masks(k, r_max, len(x)), x, ref, 8, late=6)
+    late = -lp[:, -6:].gather(-1, x[:, -6:, None])[..., 0].double().mean(1)
+    assert torch.allclose(torch.tensor(part["late_nll"], dtype=torch.float64), late, rtol=1e-6)
 
 
 def test_cli_refuses_bad_input(capsys, tmp_path):
