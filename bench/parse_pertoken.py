@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         r["decode_weights_vs_static"] = weights[c] / weights["static"]
         extra = f", kept {r['kept_vs_k']:.3f} K on average" if "kept_vs_k" in r else ""
         print(f"{c}: perplexity {r['perplexity']:.2f}, top-1 {r['top1_agreement']:.4f}, KL {r['kl']:.4f}, "
-              f"Δ NLL {r['dnll']:+.4f} ± {r['ci95']:.4f}, weights read at decode {r['decode_weights_vs_static']:.3f}×{extra}")
+              f"Δ NLL {r['dnll']:+.4f} ± {r['ci95']:.4f}, weights read at decode "
+              f"{r['decode_weights_vs_static']:.3f}×{extra}")
     if a.out:
         from rankserve.bench.decode import write_json
         write_json(Path(a.out), dict(base=a.base, keep=a.keep, pool_factor=a.pool_factor, calib=Path(a.calib).name,

@@ -21,7 +21,8 @@ transposed, [r, out], where a component is one contiguous row that a per-compone
 
     T static    transposed U at K, every row
     T pool      transposed U at r_max, every row
-    T select    transposed U at r_max, each layer's own random K rows (a token's per-component choice)
+    T select    transposed U at r_max, each layer's own random K rows (a token's per-component choice), masked
+    T gather    the same K rows, the loop visiting only them (a list of the kept rows a layer)
 
 (each program a chunk of 64 components and a share of the output tiles, its partials added into y by fp32 atomics,
 as the chunks must meet somewhere). Each row
@@ -98,7 +99,8 @@ def _select_kernel(w_ptr, x_ptr, keep_ptr, y_ptr, layers, N, K, BLOCK_N: tl.cons
                    SEL: tl.constexpr, STAGES: tl.constexpr, MASKED: tl.constexpr, TILES: tl.constexpr):
     """y[l, n] = sum_k W[l, n, k] x[k] keep[l, k // SEL], a layer at a time as the step's U stages: at a layer's
     start the program holds x and the layer's block mask in registers (up to 4 tiles of NBK * SEL columns: K <=
-    TILES * NBK * SEL, TILES <= 4), then walks its items x tiles in one pipelined loop (item g = rank, rank + P, ...). The tile is
+    TILES * NBK * SEL, TILES <= 4), then walks its items x tiles in one pipelined loop (item g = rank, rank + P,
+    ...). The tile is
     (BLOCK_N, NBK, SEL), its mask a block's along the last axis, so each 16-byte copy is all kept or all skipped.
     MASKED=False: keep is not read (every column counts)."""
     rank = tl.program_id(0)
@@ -148,29 +150,33 @@ def _select_kernel(w_ptr, x_ptr, keep_ptr, y_ptr, layers, N, K, BLOCK_N: tl.cons
 
 
 @triton.jit
-def _transposed_kernel(w_ptr, c_ptr, keep_ptr, y_ptr, layers, R, N, BLOCK_O: tl.constexpr, CH: tl.constexpr,
-                       STAGES: tl.constexpr, MASKED: tl.constexpr):
+def _transposed_kernel(w_ptr, c_ptr, keep_ptr, idx_ptr, y_ptr, layers, R, N, NK, BLOCK_O: tl.constexpr,
+                       CH: tl.constexpr, STAGES: tl.constexpr, MASKED: tl.constexpr, GATHER: tl.constexpr):
     """y[l, :] += sum_i keep[l, i] c[i] Wt[l, i, :] with U stored transposed, Wt (layers * R, N): a component is one
     contiguous row, so a token's choice skips whole rows at any granularity. Each program owns one chunk of CH
     components (rank % chunks) and a share of the output tiles of BLOCK_O columns; at a layer's start it holds its
     chunk's c and mask in registers, then walks its tiles in one pipelined loop, adding each tile's partial into y
-    (fp32 atomics: the chunks' partials meet there). y must start at zero."""
+    (fp32 atomics: the chunks' partials meet there). y must start at zero. GATHER: the chunks are chunks of the
+    layer's NK kept rows, idx (layers, NK) int32 (the loop visits only them; keep is not read)."""
     rank = tl.program_id(0)
     P = tl.num_programs(0)
-    nch = tl.cdiv(R, CH)
+    n_rows = NK if GATHER else R
+    nch = tl.cdiv(n_rows, CH)
     nt = tl.cdiv(N, BLOCK_O)
     ch = rank % nch
     peers = (P - ch + nch - 1) // nch  # programs of this chunk: ranks ch, ch + nch, ...
     me = rank // nch
     mine = tl.cdiv(tl.maximum(nt - me, 0), peers)  # output tiles me, me + peers, ...
-    rows = ch * CH + tl.arange(0, CH)
-    okr = rows < R
-    c = tl.load(c_ptr + rows, mask=okr, other=0.0).to(tl.float32)
+    pos = ch * CH + tl.arange(0, CH)
+    okr = pos < n_rows
     for layer in range(layers):
         ok = okr
-        if MASKED:
-            ok = ok & (tl.load(keep_ptr + layer * R + rows, mask=okr, other=0) != 0)
-        cm = tl.where(ok, c, 0.0)
+        rows = pos
+        if GATHER:
+            rows = tl.load(idx_ptr + layer * NK + pos, mask=okr, other=0)
+        elif MASKED:
+            ok = ok & (tl.load(keep_ptr + layer * R + pos, mask=okr, other=0) != 0)
+        cm = tl.load(c_ptr + rows, mask=ok, other=0.0).to(tl.float32)
         for j in tl.range(0, mine, num_stages=STAGES):
             offs_o = (me + j * peers) * BLOCK_O + tl.arange(0, BLOCK_O)
             oko = offs_o < N
@@ -181,20 +187,31 @@ def _transposed_kernel(w_ptr, c_ptr, keep_ptr, y_ptr, layers, R, N, BLOCK_O: tl.
 
 
 def run_transposed(wt: torch.Tensor, c: torch.Tensor, keep: torch.Tensor | None, layers: int, block_o: int, ch: int,
-                   stages: int, programs: int, y: torch.Tensor | None = None) -> torch.Tensor:
+                   stages: int, programs: int, y: torch.Tensor | None = None, gather: bool = False) -> torch.Tensor:
     """One pass over wt (layers * R, N), U stored transposed: y (layers * N,) fp32 = each layer's sum of c[i] wt[i]
-    over the components with keep[l, i] != 0 (keep (layers, R) int8, or None for all). y is zeroed first."""
+    over the components with keep[l, i] != 0 (keep (layers, R) int8, or None for all). y is zeroed first. gather:
+    the loop visits the kept rows only, listed per layer (every layer must keep as many), instead of masking."""
     LR, N = wt.shape
     R = LR // layers
     if keep is not None and keep.shape != (layers, R):
         raise ValueError(f"keep {tuple(keep.shape)}: ({layers}, {R}) wanted")
-    if programs < -(-R // ch):
-        raise ValueError(f"{programs} programs for {-(-R // ch)} chunks of {ch} components: one a chunk at least")
+    idx, nk = wt, R
+    if gather:
+        if keep is None:
+            raise ValueError("gather needs a keep mask")
+        counts = keep.sum(1)
+        if not bool((counts == counts[0]).all()):
+            raise ValueError("gather: every layer must keep as many rows")
+        nk = int(counts[0])
+        idx = keep.nonzero()[:, 1].to(torch.int32).view(layers, nk).contiguous()  # (layers, NK), ascending
+    if programs < -(-nk // ch):
+        raise ValueError(f"{programs} programs for {-(-nk // ch)} chunks of {ch} components: one a chunk at least")
     if y is None:
         y = torch.empty(layers * N, dtype=torch.float32, device=wt.device)
     y.zero_()
-    _transposed_kernel[(programs,)](wt, c, keep if keep is not None else wt, y, layers, R, N, BLOCK_O=block_o,
-                                    CH=ch, STAGES=stages, MASKED=keep is not None, num_warps=4)
+    _transposed_kernel[(programs,)](wt, c, keep if keep is not None else wt, idx, y, layers, R, N, nk,
+                                    BLOCK_O=block_o, CH=ch, STAGES=stages, MASKED=keep is not None and not gather,
+                                    GATHER=gather, num_warps=4)
     return y
 
 
@@ -259,7 +276,8 @@ def markdown(res: dict) -> str:
     lines = [f"{res['gpu']}, triton {res['triton']}, copy bandwidth {res['copy_bw'] / 1e12:.2f} TB/s, "
              f"{res['programs']} programs, pipeline {res['stages']} deep; one pass over 32 layers (graph replays, "
              "median ms; TB/s over the bytes the variant needs)", "",
-             "| map | variant | components read (U; T: rows) / V's rows | ms | TB/s | of copy | vs static |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| map | variant | components read (U; T: rows) / V's rows | ms | TB/s | of copy | vs static |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in res["rows"]:
         if "error" in r:
             lines.append(f"| {r['case']} | {r['variant']} | | error | | | |")
@@ -326,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         t_variants = {"T static": (case.k, None), "T pool": (r, None),
                       "T select": (r, (torch.rand(case.layers, r, generator=gen).argsort(1) < case.k)
                                    .to(torch.int8).to(dev))}
+        t_variants["T gather"] = t_variants["T select"]
         for name, (rows, keep) in t_variants.items():
             wt = torch.randn(case.layers * rows, case.n, device=dev).to(torch.bfloat16)
             c = torch.randn(rows, device=dev)
@@ -334,8 +353,8 @@ def main(argv: list[str] | None = None) -> int:
             row = dict(case=case.name, variant=name, shape=asdict(case), rows_a_layer=rows, width=case.n,
                        read=kept_rows, width_of=rows, block_o=a.block_o, chunk=SEL,
                        bytes=case.layers * kept_rows * case.n * 2)
-            _time(row, lambda wt=wt, c=c, keep=keep, y=y: run_transposed(wt, c, keep, case.layers, a.block_o, SEL,
-                                                                         a.stages, programs, y),
+            _time(row, lambda wt=wt, c=c, keep=keep, y=y, g=name == "T gather": run_transposed(
+                      wt, c, keep, case.layers, a.block_o, SEL, a.stages, programs, y, g),
                   lambda wt=wt, c=c, keep=keep: reference_transposed(wt, c, keep, case.layers), res, a)
             del wt
     print(markdown(res))

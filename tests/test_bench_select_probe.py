@@ -1,6 +1,7 @@
 """bench/select_probe.py: the probe kernel computes each layer's (W ⊙ keep) x under the interpreter, with and without
 a block mask and with a short last block; the sm90 build keeps the weight stream in 16-byte cp.async copies with the
-mask on; the CLI refuses bad input and renders a result. Run alone: python -m pytest -q tests/test_bench_select_probe.py"""
+mask on; the CLI refuses bad input and renders a result.
+Run alone: python -m pytest -q tests/test_bench_select_probe.py"""
 
 import inspect
 import json
@@ -51,9 +52,10 @@ def compile_ptx(transposed: bool = False) -> str:
     from triton.compiler import ASTSource
     kern = select_probe._transposed_kernel if transposed else select_probe._select_kernel
     names = list(inspect.signature(kern.fn).parameters)
-    consts = (dict(BLOCK_O=128, CH=64, STAGES=3, MASKED=True) if transposed
+    consts = (dict(BLOCK_O=128, CH=64, STAGES=3, MASKED=False, GATHER=True) if transposed
               else dict(BLOCK_N=16, NBK=8, SEL=64, STAGES=3, MASKED=True, TILES=4))
-    ptrs = {"w_ptr": "*bf16", "x_ptr": "*fp32", "c_ptr": "*fp32", "keep_ptr": "*i8", "y_ptr": "*fp32"}
+    ptrs = {"w_ptr": "*bf16", "x_ptr": "*fp32", "c_ptr": "*fp32", "keep_ptr": "*i8", "idx_ptr": "*i32",
+            "y_ptr": "*fp32"}
     sig = {n: ptrs.get(n, "i32") for n in names if n not in consts}
     sig.update({n: "constexpr" for n in consts})
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ptrs if n in names}
@@ -110,3 +112,19 @@ def test_transposed_kernel_matches_torch(masked):
         select_probe.run_transposed(wt, c, keep, layers, 16, 64, 2, 2)
     with pytest.raises(ValueError, match="keep"):
         select_probe.run_transposed(wt, c, torch.ones(layers, 3, dtype=torch.int8), layers, 16, 64, 2, 7)
+
+
+def test_transposed_gather_visits_the_kept_rows():
+    g = torch.Generator().manual_seed(4)
+    layers, R, N = 3, 150, 40
+    wt = torch.randn(layers * R, N, generator=g).to(torch.bfloat16)
+    c = torch.randn(R, generator=g)
+    keep = (torch.rand(layers, R, generator=g).argsort(1) < 70).to(torch.int8)  # 70 rows a layer, 2 chunks
+    y = select_probe.run_transposed(wt, c, keep, layers, 16, 64, 2, 5, gather=True)
+    assert torch.allclose(y, select_probe.reference_transposed(wt, c, keep, layers), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="needs a keep"):
+        select_probe.run_transposed(wt, c, None, layers, 16, 64, 2, 5, gather=True)
+    uneven = keep.clone()
+    uneven[0, uneven[0].argmin()] = 1
+    with pytest.raises(ValueError, match="as many rows"):
+        select_probe.run_transposed(wt, c, uneven, layers, 16, 64, 2, 5, gather=True)
