@@ -186,32 +186,36 @@ def _transposed_kernel(w_ptr, c_ptr, keep_ptr, idx_ptr, y_ptr, layers, R, N, NK,
             tl.atomic_add(y_ptr + layer * N + offs_o, part, mask=oko, sem="relaxed")
 
 
+def kept_rows(keep: torch.Tensor) -> torch.Tensor:
+    """The kept rows of each layer, ascending: (layers, NK) int32 from keep (layers, R) with NK a layer."""
+    counts = keep.sum(1)
+    if not bool((counts == counts[0]).all()):
+        raise ValueError("gather: every layer must keep as many rows")
+    return keep.nonzero()[:, 1].to(torch.int32).view(keep.shape[0], int(counts[0])).contiguous()
+
+
 def run_transposed(wt: torch.Tensor, c: torch.Tensor, keep: torch.Tensor | None, layers: int, block_o: int, ch: int,
-                   stages: int, programs: int, y: torch.Tensor | None = None, gather: bool = False) -> torch.Tensor:
+                   stages: int, programs: int, y: torch.Tensor | None = None,
+                   idx: torch.Tensor | None = None) -> torch.Tensor:
     """One pass over wt (layers * R, N), U stored transposed: y (layers * N,) fp32 = each layer's sum of c[i] wt[i]
-    over the components with keep[l, i] != 0 (keep (layers, R) int8, or None for all). y is zeroed first. gather:
-    the loop visits the kept rows only, listed per layer (every layer must keep as many), instead of masking."""
+    over the components with keep[l, i] != 0 (keep (layers, R) int8, or None for all). y is zeroed first. idx
+    (kept_rows(keep), computed outside a timed pass: it syncs with the host): the loop visits only the listed rows
+    instead of masking."""
     LR, N = wt.shape
     R = LR // layers
     if keep is not None and keep.shape != (layers, R):
         raise ValueError(f"keep {tuple(keep.shape)}: ({layers}, {R}) wanted")
-    idx, nk = wt, R
-    if gather:
-        if keep is None:
-            raise ValueError("gather needs a keep mask")
-        counts = keep.sum(1)
-        if not bool((counts == counts[0]).all()):
-            raise ValueError("gather: every layer must keep as many rows")
-        nk = int(counts[0])
-        idx = keep.nonzero()[:, 1].to(torch.int32).view(layers, nk).contiguous()  # (layers, NK), ascending
+    if idx is not None and (idx.dim() != 2 or idx.shape[0] != layers or idx.dtype != torch.int32):
+        raise ValueError(f"idx: (layers={layers}, NK) int32 wanted, got {tuple(idx.shape)} {idx.dtype}")
+    nk = R if idx is None else idx.shape[1]
     if programs < -(-nk // ch):
         raise ValueError(f"{programs} programs for {-(-nk // ch)} chunks of {ch} components: one a chunk at least")
     if y is None:
         y = torch.empty(layers * N, dtype=torch.float32, device=wt.device)
     y.zero_()
-    _transposed_kernel[(programs,)](wt, c, keep if keep is not None else wt, idx, y, layers, R, N, nk,
-                                    BLOCK_O=block_o, CH=ch, STAGES=stages, MASKED=keep is not None and not gather,
-                                    GATHER=gather, num_warps=4)
+    _transposed_kernel[(programs,)](wt, c, keep if keep is not None else wt, idx if idx is not None else wt, y,
+                                    layers, R, N, nk, BLOCK_O=block_o, CH=ch, STAGES=stages,
+                                    MASKED=keep is not None and idx is None, GATHER=idx is not None, num_warps=4)
     return y
 
 
@@ -349,12 +353,13 @@ def main(argv: list[str] | None = None) -> int:
             wt = torch.randn(case.layers * rows, case.n, device=dev).to(torch.bfloat16)
             c = torch.randn(rows, device=dev)
             y = torch.zeros(case.layers * case.n, dtype=torch.float32, device=dev)
-            kept_rows = rows if keep is None else int(keep[0].sum())
+            n_kept = rows if keep is None else int(keep[0].sum())
             row = dict(case=case.name, variant=name, shape=asdict(case), rows_a_layer=rows, width=case.n,
-                       read=kept_rows, width_of=rows, block_o=a.block_o, chunk=SEL,
-                       bytes=case.layers * kept_rows * case.n * 2)
-            _time(row, lambda wt=wt, c=c, keep=keep, y=y, g=name == "T gather": run_transposed(
-                      wt, c, keep, case.layers, a.block_o, SEL, a.stages, programs, y, g),
+                       read=n_kept, width_of=rows, block_o=a.block_o, chunk=SEL,
+                       bytes=case.layers * n_kept * case.n * 2)
+            idx = kept_rows(keep) if name == "T gather" else None
+            _time(row, lambda wt=wt, c=c, keep=keep, y=y, idx=idx: run_transposed(
+                      wt, c, keep, case.layers, a.block_o, SEL, a.stages, programs, y, idx),
                   lambda wt=wt, c=c, keep=keep: reference_transposed(wt, c, keep, case.layers), res, a)
             del wt
     print(markdown(res))

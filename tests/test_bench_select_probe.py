@@ -120,11 +120,13 @@ def test_transposed_gather_visits_the_kept_rows():
     wt = torch.randn(layers * R, N, generator=g).to(torch.bfloat16)
     c = torch.randn(R, generator=g)
     keep = (torch.rand(layers, R, generator=g).argsort(1) < 70).to(torch.int8)  # 70 rows a layer, 2 chunks
-    y = select_probe.run_transposed(wt, c, keep, layers, 16, 64, 2, 5, gather=True)
+    idx = select_probe.kept_rows(keep)
+    assert idx.shape == (layers, 70) and bool((idx[:, 1:] > idx[:, :-1]).all())
+    y = select_probe.run_transposed(wt, c, keep, layers, 16, 64, 2, 5, idx=idx)
     assert torch.allclose(y, select_probe.reference_transposed(wt, c, keep, layers), rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="needs a keep"):
-        select_probe.run_transposed(wt, c, None, layers, 16, 64, 2, 5, gather=True)
+    with pytest.raises(ValueError, match="idx"):
+        select_probe.run_transposed(wt, c, keep, layers, 16, 64, 2, 5, idx=idx.long())
     uneven = keep.clone()
     uneven[0, uneven[0].argmin()] = 1
     with pytest.raises(ValueError, match="as many rows"):
-        select_probe.run_transposed(wt, c, uneven, layers, 16, 64, 2, 5, gather=True)
+        select_probe.kept_rows(uneven)
