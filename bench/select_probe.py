@@ -5,7 +5,7 @@ bench/parse_pertoken.py measures choosing the K components of every matrix per t
 columns of the kept components only. U is stored [out, r] (row-major, as the step kernel streams it), so one
 component is 2 bytes of every row; a run of SEL = 64 consecutive components is one 128-byte line of each row. A
 choice made in blocks of 64 components can therefore skip whole lines: the loop's weight load is masked by the
-token's block mask, and a masked cp.async reads nothing. This probe times that loop, the stream probe's (a persistent
+token's block mask, and a masked-off cp.async is issued with no source bytes. This probe times that loop, the stream probe's (a persistent
 grid, 2 programs an SM, 32 layers' weights, no synchronization), a layer at a time as the step's U stages: x and the
 layer's block mask read once into registers, then one software-pipelined loop over the program's items x tiles, the
 tile seen as (BLOCK_N, NBK blocks, 64) so the mask stays constant over each 16-byte copy:
@@ -25,9 +25,9 @@ transposed, [r, out], where a component is one contiguous row that a per-compone
     T gather    the same K rows, the loop visiting only them (a list of the kept rows a layer)
 
 (each program a chunk of 64 components and a share of the output tiles, its partials added into y by fp32 atomics,
-as the chunks must meet somewhere). Each row
-is checked against torch before it is timed (the masked columns as zeros), timed from CUDA-graph replays over cold
-L2 (median), with TB/s over the bytes it needs and its share of the copy bandwidth measured in the same run.
+as the chunks must meet somewhere). Each row is checked against torch before it is timed (the masked columns as
+zeros), timed from CUDA-graph replays over cold L2 (median), with TB/s over the bytes it needs and its share of the
+copy bandwidth measured in the same run.
 
 Usage: python -m rankserve.bench.select_probe --out bench/results/select-probe-h200.json
        python -m rankserve.bench.select_probe --markdown bench/results/select-probe-h200.json
