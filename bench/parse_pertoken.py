@@ -119,7 +119,6 @@ def selection(pool: Transformer, config: str, k: dict[str, int], tau: dict[str, 
     """Run every routed projection of `pool` with `config`'s choice of components (see the module doc);
     token-threshold takes the thresholds `tau` and appends each call's mean kept count to kept[name]."""
     lins = pool.projections()
-    saved = list(k)
     try:
         for n, lin in ((n, lins[n]) for n in k):
             if config == "static":
@@ -138,7 +137,7 @@ def selection(pool: Transformer, config: str, k: dict[str, int], tau: dict[str, 
                 raise ValueError(f"unknown config {config!r}; choose from {', '.join(CONFIGS)}")
         yield
     finally:
-        for n in saved:
+        for n in k:
             lins[n].live = None
             lins[n].__dict__.pop("forward", None)
 
@@ -150,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", type=float, default=0.6)
     ap.add_argument("--pool-factor", type=float, default=2.0)
     ap.add_argument("--calib", default=str(WIKI_VALID), help="whitening calibration text (the criterion's)")
-    ap.add_argument("--windows", type=int, default=0, help="held-out windows (0: all of bench/parse.py's 209)")
+    ap.add_argument("--windows", type=int, default=0, help="held-out windows (0: all 157 of test_windows)")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     ap.add_argument("--calib-windows", type=int, default=32, help="WikiText-2 valid windows setting the thresholds")
     ap.add_argument("--block", type=int, default=8, help="token-block's components a block")
