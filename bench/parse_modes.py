@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from rankserve.bench.parse import WIKI_VALID, _windows, test_windows
-from rankserve.bench.parse_oracle import score, summarize
-from rankserve.bench.parse_pertoken import token_topk
+from rankserve.bench.parse_oracle import summarize
+from rankserve.bench.parse_pertoken import record_inputs, restore, score_configs, token_topk
 from rankserve.compress.parse import BASES, build_pool
 from rankserve.workers.checkpoint import load_checkpoint
 from rankserve.workers.model import FactorizedLinear, Transformer
@@ -131,23 +131,10 @@ def fit_all(pool: Transformer, k: dict[str, int], windows: torch.Tensor, tail_fr
             batch: int = 8) -> dict[str, Modes]:
     """Every routed matrix's modes (and sketches) from its inputs over `windows` run through the whole pool."""
     lins = pool.projections()
-    seen: dict[str, list[torch.Tensor]] = {n: [] for n in k}
-
-    def record(x: torch.Tensor, lin: FactorizedLinear, n: str) -> torch.Tensor:
-        seen[n].append(x.reshape(-1, x.shape[-1]))
-        return F.linear(F.linear(x, lin.V), lin.U)
-
-    try:
-        for n in k:
-            lins[n].forward = lambda x, lin=lins[n], n=n: record(x, lin, n)
-        for i in range(0, len(windows), batch):
-            pool(windows[i:i + batch])
-    finally:
-        for n in k:
-            lins[n].__dict__.pop("forward", None)
     out = {}
-    for n in tqdm(k, desc="fitting modes", unit="matrix"):
-        lin, x = lins[n], torch.cat(seen[n])
+    for n, x in tqdm(record_inputs(pool, k, windows, batch).items(), total=len(k), desc="fitting modes",
+                     unit="matrix"):
+        lin = lins[n]
         t = max(1, round(k[n] * tail_frac))
         e2 = (F.linear(x, lin.V) * lin.U.norm(dim=0)) ** 2
         tails = fit_modes(e2, k[n] - t, t, modes)
@@ -176,9 +163,7 @@ def selection(pool: Transformer, config: str, k: dict[str, int], modes: dict[str
                 raise ValueError(f"unknown config {config!r}; choose from {', '.join(CONFIGS)}")
         yield
     finally:
-        for n in k:
-            lins[n].live = None
-            lins[n].__dict__.pop("forward", None)
+        restore(lins, k)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,16 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.windows:
         windows = windows[:a.windows]
     P, S = 64, windows.shape[1]
-    per: dict[str, dict[str, list[float]]] = {c: {"nll": [], "agree": [], "kl": []} for c in configs}
     counts: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for i in tqdm(range(0, len(windows), a.batch), desc=f"modes ({a.base})", unit="batch"):
-            x = windows[i:i + a.batch]
-            ref = F.log_softmax(dense(x), -1)[:, P - 1:-1]
-            for c in configs:
-                with selection(pool, c, k, modes, counts):
-                    for m, v in score(pool, None, x, ref, P).items():
-                        per[c][m] += v
+    per = score_configs(pool, dense, windows, configs, lambda c: selection(pool, c, k, modes, counts), a.batch,
+                        f"modes ({a.base})", P)
     res = summarize(per, S - P)
     lins = pool.projections()
     static_w = sum((lins[n].in_features + lins[n].out_features) * r for n, r in k.items())

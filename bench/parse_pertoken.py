@@ -34,7 +34,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, ContextManager, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -79,32 +79,62 @@ def token_threshold(lin: FactorizedLinear, x: torch.Tensor, tau: float, kept: li
 
 
 @torch.no_grad()
+def record_inputs(pool: Transformer, names: Iterable[str], windows: torch.Tensor,
+                  batch: int = 8) -> dict[str, torch.Tensor]:
+    """Each named projection's inputs (N, in), every token of `windows` (n, S) run through the whole pool."""
+    lins = pool.projections()
+    seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+
+    def record(x: torch.Tensor, lin: FactorizedLinear, n: str) -> torch.Tensor:
+        seen[n].append(x.reshape(-1, x.shape[-1]))
+        return F.linear(F.linear(x, lin.V), lin.U)
+
+    try:
+        for n in seen:
+            lins[n].forward = lambda x, lin=lins[n], n=n: record(x, lin, n)
+        for i in range(0, len(windows), batch):
+            pool(windows[i:i + batch])
+    finally:
+        restore(lins, seen)
+    return {n: torch.cat(v) for n, v in seen.items()}
+
+
+@torch.no_grad()
 def calibrate_thresholds(pool: Transformer, k: dict[str, int], windows: torch.Tensor,
                          batch: int = 8) -> dict[str, float]:
     """Per routed matrix, the energy threshold that keeps k of its r_max components per token on average over
     `windows` (n, S), run through the whole pool."""
     lins = pool.projections()
-    seen: dict[str, list[torch.Tensor]] = {n: [] for n in k}
-
-    def record(x: torch.Tensor, lin: FactorizedLinear, n: str) -> torch.Tensor:
-        c = F.linear(x, lin.V)
-        seen[n].append((c.abs() * lin.U.norm(dim=0)).flatten())
-        return F.linear(c, lin.U)
-
-    try:
-        for n in k:
-            lins[n].forward = lambda x, lin=lins[n], n=n: record(x, lin, n)
-        for i in range(0, len(windows), batch):
-            pool(windows[i:i + batch])
-    finally:
-        for n in k:
-            lins[n].__dict__.pop("forward", None)
     out = {}
-    for n, parts in seen.items():
-        e = torch.cat(parts)  # every token's energies, r_max a token
+    for n, x in record_inputs(pool, k, windows, batch).items():
+        e = (F.linear(x, lins[n].V).abs() * lins[n].U.norm(dim=0)).flatten()  # every token's energies
         drop = round(len(e) * (1 - k[n] / lins[n].rank))  # the energies below the threshold
         out[n] = float(e.kthvalue(drop).values) if drop else 0.0
     return out
+
+
+def restore(lins: dict[str, FactorizedLinear], names: Iterable[str]) -> None:
+    """Undo a selection: the named projections back to all their components and their own forward."""
+    for n in names:
+        lins[n].live = None
+        lins[n].__dict__.pop("forward", None)
+
+
+@torch.no_grad()
+def score_configs(pool: Transformer, dense: Transformer, windows: torch.Tensor, configs: list[str],
+                  select: Callable[[str], ContextManager], batch: int, desc: str,
+                  prompt_len: int = 64) -> dict[str, dict[str, list[float]]]:
+    """Per config, the per-window scores of parse_oracle.score (nll, agree, kl) with `select(config)` applied,
+    windows (n, S) taken `batch` at a time against the dense model's log-probabilities."""
+    per: dict[str, dict[str, list[float]]] = {c: {"nll": [], "agree": [], "kl": []} for c in configs}
+    for i in tqdm(range(0, len(windows), batch), desc=desc, unit="batch"):
+        x = windows[i:i + batch]
+        ref = F.log_softmax(dense(x), -1)[:, prompt_len - 1:-1]
+        for c in configs:
+            with select(c):
+                for m, v in score(pool, None, x, ref, prompt_len).items():
+                    per[c][m] += v
+    return per
 
 
 def bytes_matched_rank(lin: FactorizedLinear, k: int) -> int:
@@ -137,9 +167,7 @@ def selection(pool: Transformer, config: str, k: dict[str, int], tau: dict[str, 
                 raise ValueError(f"unknown config {config!r}; choose from {', '.join(CONFIGS)}")
         yield
     finally:
-        for n in k:
-            lins[n].live = None
-            lins[n].__dict__.pop("forward", None)
+        restore(lins, k)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,15 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.windows:
         windows = windows[:a.windows]
     P, S = 64, windows.shape[1]
-    per: dict[str, dict[str, list[float]]] = {c: {"nll": [], "agree": [], "kl": []} for c in configs}
-    with torch.no_grad():
-        for i in tqdm(range(0, len(windows), a.batch), desc=f"per-token selection ({a.base})", unit="batch"):
-            x = windows[i:i + a.batch]
-            ref = F.log_softmax(dense(x), -1)[:, P - 1:-1]
-            for c in configs:
-                with selection(pool, c, k, tau, kept, a.block):
-                    for m, v in score(pool, None, x, ref, P).items():
-                        per[c][m] += v
+    per = score_configs(pool, dense, windows, configs, lambda c: selection(pool, c, k, tau, kept, a.block), a.batch,
+                        f"per-token selection ({a.base})", P)
     res = summarize(per, S - P)
     lins = pool.projections()
     weights = {"static": sum((lins[n].in_features + lins[n].out_features) * r for n, r in k.items())}
