@@ -736,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
     res = dict(env=dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__,
                         transformers=transformers.__version__, cuda=torch.version.cuda, python=platform.python_version(),
                         copy_bw=bw, weights="random, bf16", date=time.strftime("%Y-%m-%d")),
-               cases=[], argv=argv)
+               cases=[], argv=sys.argv[1:] if argv is None else argv)
     print(f"{res['env']['gpu']}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                setup=dict(preset=args.preset, keep=args.keep, split_k=args.split_k or None, pdl=args.pdl,
                           pool_factor=args.pool_factor, prompt=args.prompt,
                           static_weight_bytes=weight_bytes_read(static), pool_weight_bytes=weight_bytes_read(pool)),
-               batches=[], argv=argv)
+               batches=[], argv=sys.argv[1:] if argv is None else argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 

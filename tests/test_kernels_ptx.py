@@ -12,6 +12,7 @@ Run alone: .venv/bin/python -m pytest tests/test_kernels_ptx.py
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -145,11 +146,14 @@ def test_one_launch_step_reads_activations_around_l1_with_vector_copies():
 
 
 def ptx_functions(lines: list[str]) -> dict[str, list[str]]:
-    """The PTX's function definitions (the entry and each .func), by name without the module prefix: their lines."""
+    """The PTX's function definitions (the entry and each .func), by name without the module prefix: their lines.
+    Triton 3.6 spells a constexpr argument `___$_12_$__$_cconstexpr_True_` where 3.9 spells `_cTrue`; names are
+    brought to 3.9's spelling so the tests read the same on both."""
     starts = [i for i, l in enumerate(lines) if l.startswith((".func", ".visible .entry", ".entry"))]
     out: dict[str, list[str]] = {}
     for a, b in zip(starts, starts[1:] + [len(lines)]):
-        name = lines[a].split("(")[0].split()[-1].split("_$_")[-1]
+        mangled = re.sub(r"_*\$_\d+_\$__\$_cconstexpr_", "_c", lines[a].split("(")[0].split()[-1])
+        name = mangled.split("_$_")[-1]
         if len(lines[a:b]) > len(out.get(name, [])):  # the definition, not the forward declaration
             out[name] = lines[a:b]
     return out
