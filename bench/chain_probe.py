@@ -3,7 +3,7 @@
 The one-launch step (kernels/step_kernel.py) runs each stage of each layer as its own software-pipelined loop: at
 every boundary a program drains its pipeline, waits for the previous stage, reads its input and fills the pipeline
 again, 9 times a layer. Its stages' loops alone stream at 79-102 % of the copy bandwidth (bench/stream_probe.py),
-summing to ~2.13 ms for a step that takes 2.60 ms with no waits at all and 2.82 ms with them (decode.md, session
+summing to ~2.13 ms for a step that takes 2.60 ms with no waits at all and 2.82 ms with them (decode-log.md, session
 14): the starts and ends cost more than the loops. This probe times the step's GEMV stages (no attention, no head)
 in two shapes of the same work:
 
@@ -41,7 +41,7 @@ The values every variant computes with are the fixed x (the tagged words carry x
 variant computes the same y, checked against torch's W x before it is timed (graph replay, cold L2, median, as
 bench/kernels_gpu).
 
-Measured on the H200 (decode.md, session 15; chain-probe-h200.json): without waits one loop 2.256 ms (85% of the
+Measured on the H200 (decode-log.md, session 15; chain-probe-h200.json): without waits one loop 2.256 ms (85% of the
 copy bandwidth) vs a loop a segment 2.522; with the stage counters 2.930 vs 2.997 (2%); blocks 3.73-3.80, data
 3.90-4.18, spread counters 2.97-3.10, one count a warp 3.04-3.10: no protocol beats the step's; with every
 program given the same items (--balanced) the waits cost as much (chain-probe-h200-balanced.json). Session 16: more

@@ -16,7 +16,7 @@ Every figure: ms/token median of >= 5 repeats (min/max too), tok/s, bytes read p
 the current position), the floor at the device-to-device copy bandwidth measured in the same run, and MBU.
 
 Usage: python -m rankserve.bench.decode --out bench/results/decode-b1.json [--batches 1] [--quick]
-       python -m rankserve.bench.decode --markdown bench/results/decode-b1.json ... > bench/results/decode.md
+       python -m rankserve.bench.decode --markdown bench/results/decode-b1.json ... > tables.md (decode.md carries them)
 """
 
 from __future__ import annotations

@@ -24,10 +24,10 @@ Alternatives measured (bench/kernels_gpu.py --only gemv_sweep, H200):
 Split-K (B > 1): a program owns 16-32 rows there, so few-row V stages (o: 1232 rows -> 77 programs) leave SMs
 idle; `split` lets several programs share a row block, each adding one chunk of the reduction into a zeroed fp32
 t with atomics (the decoder zeroes all split stages' scratch once per step). One program per SM: B = 8 4.21 ->
-4.17 ms/token; two per SM was slower (decode.md).
+4.17 ms/token; two per SM was slower (decode-log.md).
 
 Pipelining: at B = 1 the K loop is a `tl.range` with num_stages = STAGES (weight tiles through shared memory,
-cp.async); the decoder runs 2 at B = 1 (3.259 vs 3.458 ms/token for the whole step, decode.md). PARSE slots:
+cp.async); the decoder runs 2 at B = 1 (3.259 vs 3.458 ms/token for the whole step, decode-log.md). PARSE slots:
 `keep` masks skip dead row blocks and `klive` bounds the K loop by a live width read on the device.
 
 Fusions the decoder uses (workers/fast_decode.py):

@@ -2,7 +2,7 @@
 
 The per-kernel step (fast_decode.py: ~9 launches a layer) pays ~3 us of fixed cost per kernel at B = 1 even
 with CUDA graphs and programmatic dependent launch: each kernel waits for the previous grid to drain, then for its
-own first weight bytes (decode.md). Here one launch walks every stage of every layer:
+own first weight bytes (decode-log.md). Here one launch walks every stage of every layer:
 
     per layer: Vqkv·norm(x) -> Uq/Uk/Uv + RoPE + K/V into the cache -> attention over each kv head (-> merge of
     the splits) -> Vo a -> x += Uo t -> Vgu·norm(x) -> SiLU(Ug t)·(Uu t) -> Vd m -> x += Ud t;  then the head.
@@ -42,16 +42,16 @@ Addressing. Weights are element offsets from one base tensor (an int64 table a l
 different ranks (Dobi-SVD) or shared bases packed per layer (Basis Sharing); ranks and offsets are promised to
 the compiler as multiples of 16 (checked at build), without which every weight load is a scalar 2-byte load.
 
-Measured on the H200 (decode.md, LLaMA-7B shape, bf16, B = 1, graph replay, greedy argmax in the graph):
+Measured on the H200 (decode-log.md, LLaMA-7B shape, bf16, B = 1, graph replay, greedy argmax in the graph):
 svd-llm keep 0.6 2.822 vs 3.222 ms/token for the per-kernel step, dobi 2.943 vs 3.273, basis-sharing 3.308 vs 3.610,
 prompt 2048 3.073 vs 3.473 (session 11, decode-h200-s11.json). The V stages read x once and wait inside their
 pipelined loop, so its prologue's weight tiles are asked for before the wait (x_once, wait_in_loop); down V goes by
 column blocks as gate/up U completes them (split_down_v); o U and down U read their input once into registers and
 wait in their loop too (u_once). Fusing each U map with the next V map by row blocks (6 stages a layer instead of 9)
 was measured slower (3.40 ms at best) and reverted: a stage's time follows its programs' pipelined steps more than
-its barrier (decode.md); so were deeper pipelines, 8 warps and asking L2 for later stages' weights ahead. What the
+its barrier (decode-log.md); so were deeper pipelines, 8 warps and asking L2 for later stages' weights ahead. What the
 counters cost, measured with them weakened (bench/sync_probe.py; results then wrong): without the release fences
-2.740 vs 2.821 ms, without any wait 2.599 (decode.md, session 11).
+2.740 vs 2.821 ms, without any wait 2.599 (decode-log.md, session 11).
 Where the time goes, stage by stage: bench/step_trace.py (StepKernelConfig.trace).
 """
 
@@ -82,7 +82,7 @@ class StepKernelConfig:
     programs_per_sm: int = 2  # grid = SMs * this, capped at the kernel's occupancy (CPU interpreter: 1 program)
     # item tiles per stage (GPU). A stage takes as long as its busiest program, and a program's pipelined loop
     # costs about the same per step whatever the tile (bench/step_trace.py): tiles of ~16 KB and item counts
-    # without a ragged last round. Measured on the H200 (decode.md).
+    # without a ragged last round. Measured on the H200 (decode-log.md).
     qkv_v: Tile = (2, 4096)
     qkv_u: Tile = (8, 512)
     o_v: Tile = (2, 4096)
@@ -135,7 +135,7 @@ class StepKernelConfig:
     num_warps: int = 4  # 8 warps measured slower: 3.54 ms at one program an SM, 3.95-4.13 with registers capped for
     # two (spills; step-trace-h200-s9-warps.json)
     # GPU: the first tiles of a program's (items x tiles of K) sequence of a stage asked of L2 before it waits for
-    # the previous stage (measured, decode.md: 1 tile 3.158 ms vs 2 tiles 3.221 in one run, 2 / 4 / 8 tiles
+    # the previous stage (measured, decode-log.md: 1 tile 3.158 ms vs 2 tiles 3.221 in one run, 2 / 4 / 8 tiles
     # 3.18 / 3.35 / 4.00 in another: asking for more competes with the stage's stragglers)
     prefetch: int = 1
     # GPU: cap on registers a thread (ptxas .maxnreg); None = the compiler's choice (254 for this kernel: 2

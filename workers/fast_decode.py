@@ -39,7 +39,7 @@ class DecodeConfig:
     num_splits: int = 0  # split-K factor of decode attention; 0 = from the cache length
     gemv: str = "auto"  # "triton" (fused GEMV kernels) | "cublas" (torch.mm) | "auto" (= triton, the measured winner)
     # Triton GEMVs: RMSNorm folded into the next GEMV, residual adds in the o/down epilogues. None = the measured
-    # winner: on at B = 1 (3.38 vs 3.62 ms/token on the H200), off at B > 1 (B = 8: 9.7 vs 7.3 ms; decode.md)
+    # winner: on at B = 1 (3.38 vs 3.62 ms/token on the H200), off at B > 1 (B = 8: 9.7 vs 7.3 ms; decode-log.md)
     fuse_norm: bool | None = None
     # programmatic dependent launch: "auto" = on at B = 1 on Hopper+ with a triton that has it (B = 8 measured
     # slower with it) | "on" | "off"
@@ -58,7 +58,7 @@ class DecodeConfig:
     # Triton GEMVs at B > 1: split the V stages' reduction over several programs per block of rows (partial sums
     # added with atomics into fp32 scratch that the step zeroes once), so few-row matrices fill the GPU. None =
     # enough for one program per SM over the rows in use (kernels/lowrank_linear.py split_k; two per SM measured
-    # slower, decode.md); n > 1 = n for every V stage; 1 = off.
+    # slower, decode-log.md); n > 1 = n for every V stage; 1 = off.
     # Stages with a fused RMSNorm never split (the norm needs the whole row).
     split_k: int | None = None
     # end every step with the argmax of its logits, written into the next input token inside the graph
@@ -66,7 +66,7 @@ class DecodeConfig:
     greedy: bool = False
     # B = 1: the whole step in one persistent launch (kernels/step_kernel.py: stages ordered by counters on the
     # device instead of kernel boundaries). None = the measured winner: on at B = 1 on a Hopper-or-newer GPU when
-    # every layer is factorized with ranks padded to 16 (2.822 vs 3.222 ms/token on the H200, decode.md), else off
+    # every layer is factorized with ranks padded to 16 (2.822 vs 3.222 ms/token on the H200, decode-log.md), else off
     one_launch: bool | None = None
     # its StepKernelConfig fields in declaration order (kernels/step_kernel.py: programs per SM, item rows and
     # widths, pipeline depths, warps, L2-prefetched tiles, ...); None = the defaults
@@ -189,7 +189,7 @@ class FastDecoder:
         if dcfg.graph != "none" and dev.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device; use graph='none' on CPU")
         self.use_triton = dcfg.backend == "triton"
-        # measured on the H200 (bench/results/kernels-h200.json, decode.md): the Triton kernels beat cuBLAS GEMVs
+        # measured on the H200 (bench/results/kernels-h200.json, decode-log.md): the Triton kernels beat cuBLAS GEMVs
         # for B = 1..8 (B > 1 pads rows to 16 for tensor cores), and the fused step is 1.8x faster at B = 1
         self.gemv = "triton" if dcfg.gemv == "auto" else dcfg.gemv
         self.fuse = dcfg.fused()
