@@ -166,7 +166,8 @@ def import_llama2c(src: str | Path, out: str | Path) -> Path:
 
     cfg = ModelConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=hidden, num_hidden_layers=n_layers,
                       num_attention_heads=n_heads, num_key_value_heads=n_kv, max_position_embeddings=seq_len,
-                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=shared, bos_token_id=1, eos_token_id=2)
+                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=shared, bos_token_id=1,
+                      eos_token_id=[2, 1])  # llama2.c's models end a text with BOS (its run.c stops there), not EOS
     native = {"embed.weight": w["embed"], "norm.weight": w["rms_final"]}
     if not shared:
         native["lm_head.weight"] = w["wcls"]

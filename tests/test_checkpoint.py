@@ -149,3 +149,18 @@ def test_bf16_load(tmp_path):
     assert m.embed.weight.dtype == torch.bfloat16
     out = m(torch.randint(0, CFG.vocab_size, (1, 5)))
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
+
+
+def test_rope_scaling_legacy_type_key_and_unknown_kinds():
+    """transformers' older `{"type": ...}` spelling means the same as `rope_type`; kinds we do not implement are
+    refused, never silently computed as another kind."""
+    from rankserve.workers.model import rope_inv_freq
+    base = dict(vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=1,
+                num_key_value_heads=1)
+    legacy = rope_inv_freq(ModelConfig(**base, rope_scaling={"type": "linear", "factor": 4.0}))
+    assert torch.equal(legacy, rope_inv_freq(ModelConfig(**base, rope_scaling={"rope_type": "linear", "factor": 4.0})))
+    assert torch.allclose(legacy * 4, rope_inv_freq(ModelConfig(**base)))
+    assert torch.equal(rope_inv_freq(ModelConfig(**base, rope_scaling={"rope_type": "default"})),
+                       rope_inv_freq(ModelConfig(**base)))
+    with pytest.raises(ValueError, match="yarn"):
+        ModelConfig(**base, rope_scaling={"type": "yarn", "factor": 4.0})

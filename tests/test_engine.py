@@ -54,6 +54,29 @@ def test_stop_token(engine):
     assert r.finish_reason == "stop" and r.token_ids == first[:2]
 
 
+def test_held_back_text_is_released_when_the_row_ends_otherwise(engine):
+    """A tail held back because it could start a stop string ("little" of "little boy") is text the model wrote:
+    a row that then ends on a stop token or at the context limit still returns it."""
+    ids = engine.generate("", SamplingParams(max_new_tokens=16)).token_ids
+    at = next(i for i in range(1, 16) if engine.tokenizer.decode(ids[:i]).endswith(" little"))
+    r = engine.generate("", SamplingParams(max_new_tokens=16, stop=("little boy",), stop_token_ids=(ids[at],)))
+    assert r.finish_reason == "stop" and r.token_ids == ids[:at]
+    assert r.text == engine.tokenizer.decode(ids[:at]) and r.text.endswith("little")
+    events = list(engine.stream("", SamplingParams(max_new_tokens=16, stop=("little boy",),
+                                                   stop_token_ids=(ids[at],))))
+    assert "".join(e.text for e in events) == r.text
+    short = Engine.load(BUNDLED, max_seq_len=at + 1)  # BOS + `at` tokens fill the context
+    r = short.generate("", SamplingParams(max_new_tokens=50, stop=("little boy",)))
+    assert r.finish_reason == "length" and r.token_ids == ids[:at] and r.text.endswith("little")
+
+
+def test_bundled_model_ends_its_story_at_bos(engine):
+    """llama2.c models end a story with BOS (id 1): generation stops there instead of running into the next."""
+    assert 1 in engine.eos
+    r = engine.generate("", SamplingParams(max_new_tokens=400))
+    assert r.finish_reason == "stop" and 1 not in r.token_ids and len(r.token_ids) < 400
+
+
 def test_seeded_sampling_reproducible(engine):
     sp = SamplingParams(max_new_tokens=20, temperature=1.0, top_p=0.9, seed=7)
     a, b = engine.generate("The cat", sp), engine.generate("The cat", sp)
@@ -75,8 +98,33 @@ def test_top_k_and_top_p_restrict_support():
     assert {sample(logits, SamplingParams(temperature=1.0, top_p=0.5), g) for _ in range(300)} <= allowed
 
 
+def test_ties_resolve_as_argmax_does():
+    """top_k=1 and a tiny top_p are greedy even where logits tie (common in bf16): the lowest id wins, as argmax."""
+    logits = torch.tensor([1.0, 3.0, 3.0, 0.5, 3.0])
+    g = torch.Generator().manual_seed(0)
+    for sp in (SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_p=1e-6)):
+        assert {sample(logits, sp, g) for _ in range(100)} == {int(torch.argmax(logits))} == {1}
+    assert {sample(logits, SamplingParams(temperature=1.0, top_k=2), g) for _ in range(200)} == {1, 2}
+
+
+def test_unseeded_sampling_leaves_the_global_rng_alone():
+    torch.manual_seed(123)
+    a = torch.rand(3)
+    torch.manual_seed(123)
+    SamplingParams(temperature=1.0).generator()
+    assert torch.equal(torch.rand(3), a)
+
+
+def test_empty_prompt_without_bos_is_refused():
+    e = Engine.load(BUNDLED)
+    e.tokenizer.bos_id = None
+    with pytest.raises(ValueError, match="prompt is empty"):
+        e.generate("", SamplingParams(max_new_tokens=3))
+
+
 def test_bad_params_and_long_prompt(engine):
-    for kw in (dict(max_new_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-1)):
+    for kw in (dict(max_new_tokens=0), dict(temperature=-1), dict(temperature=1e-40), dict(top_p=0), dict(top_p=1.5),
+               dict(top_k=-1)):
         with pytest.raises(ValueError):
             SamplingParams(**kw)
     with pytest.raises(ValueError, match="context limit"):

@@ -34,6 +34,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.rope_scaling is not None and "rope_type" not in self.rope_scaling and "type" in self.rope_scaling:
+            # transformers' older spelling; every reader below looks at "rope_type" only
+            self.rope_scaling = {("rope_type" if k == "type" else k): v for k, v in self.rope_scaling.items()}
         problems = []
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
@@ -45,7 +48,7 @@ class ModelConfig:
         if self.head_dim % 2:
             problems.append(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            kind = self.rope_scaling.get("rope_type", "default")
             if kind not in ROPE_TYPES:
                 problems.append(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
         if problems:

@@ -54,21 +54,20 @@ class _Row:
         self.context = prompt_ids[-4:]  # decoded with the new tokens so a leading space survives (SentencePiece)
         self.context_text: str | None = None
 
-    def push(self, token: int, tok: Tokenizer) -> str:
-        """Append a token; return the newly releasable text and set `finish` when the row is done."""
+    def push(self, token: int, tok: Tokenizer, last: bool = False) -> str:
+        """Append a token; return the newly releasable text and set `finish` when the row is done (`last`: the
+        context is full after this token). A row that ends other than on a stop string releases the tail it held
+        back for one."""
         if token in self.stop_ids:
             self.finish = "stop"
-            return ""
+            return self._release(self._text(tok))
         self.ids.append(token)
-        if self.context_text is None:
-            self.context_text = tok.decode(self.context)
-        full = tok.decode(self.context + self.ids)
-        text = full[len(self.context_text):] if full.startswith(self.context_text) else tok.decode(self.ids)
+        text = self._text(tok)
         for s in self.params.stop:
             at = text.find(s)
             if at >= 0:
                 self.finish, text = "stop", text[:at]
-        if self.finish is None and len(self.ids) >= self.params.max_new_tokens:
+        if self.finish is None and (last or len(self.ids) >= self.params.max_new_tokens):
             self.finish = "length"
         if self.finish is None:
             text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for its next byte
@@ -77,6 +76,16 @@ class _Row:
                 if any(s.startswith(text[-n:]) for s in self.params.stop):
                     text = text[:-n]
                     break
+        return self._release(text)
+
+    def _text(self, tok: Tokenizer) -> str:
+        """The generated tokens' text, decoded after the prompt's last tokens (a leading space survives)."""
+        if self.context_text is None:
+            self.context_text = tok.decode(self.context)
+        full = tok.decode(self.context + self.ids)
+        return full[len(self.context_text):] if full.startswith(self.context_text) else tok.decode(self.ids)
+
+    def _release(self, text: str) -> str:
         delta = text[len(self.released):] if text.startswith(self.released) else ""
         self.released = text if text.startswith(self.released) else self.released
         return delta
@@ -124,6 +133,8 @@ class Engine:
     # --- public API ------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str, params: SamplingParams) -> list[int]:
         ids = self.tokenizer.encode(prompt, bos=True)
+        if not ids:
+            raise ValueError("the prompt is empty and this tokenizer adds no BOS token: give at least one token")
         if len(ids) + 1 > self.max_seq_len:
             raise ValueError(f"prompt is {len(ids)} tokens; the context limit is {self.max_seq_len} tokens")
         return ids
@@ -194,6 +205,8 @@ class Engine:
         if self.routers is None:
             return None
         ids = self.tokenizer.encode(prompt, bos=True)
+        if not ids:
+            raise ValueError("the prompt is empty and this tokenizer adds no BOS token: give at least one token")
         if len(ids) + 1 > self.max_seq_len:
             raise ValueError(f"prompt is {len(ids)} tokens; the context limit is {self.max_seq_len} tokens")
         return select(self.model, self.routers, ids)
@@ -254,10 +267,8 @@ class Engine:
                     t = chosen[b]
                 else:
                     t = sample(logits[b], r.params, r.gen)
-                step.append((t, r.push(t, self.tokenizer)))
                 pos[b] += 1
-                if r.finish is None and pos[b] >= S_max:  # out of context
-                    r.finish = "length"
+                step.append((t, r.push(t, self.tokenizer, last=pos[b] >= S_max)))  # last: out of context
             yield step
             if all(r.finish is not None for r in rows):
                 return

@@ -94,8 +94,12 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     if not sc:
         return inv
     kind, factor = sc.get("rope_type", "default"), float(sc.get("factor", 1.0))
+    if kind == "default":
+        return inv
     if kind == "linear":
         return inv / factor
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling type {kind!r} is not supported")
     # llama3: scale long wavelengths by 1/factor, keep short ones, interpolate in between
     low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
     old_len = float(sc.get("original_max_position_embeddings", 8192))

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 import torch
 
 
+MIN_TEMPERATURE = 1e-5  # below it logits / T overflow towards inf for no purpose: such requests mean greedy (0)
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 16
@@ -23,8 +26,8 @@ class SamplingParams:
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):
+            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -34,7 +37,10 @@ class SamplingParams:
 
     def generator(self) -> torch.Generator:
         g = torch.Generator()
-        g.manual_seed(self.seed if self.seed is not None else torch.seed())
+        if self.seed is None:
+            g.seed()  # a nondeterministic seed for this generator only; torch's global RNG is left alone
+        else:
+            g.manual_seed(self.seed)
         return g
 
 
@@ -43,11 +49,13 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.temperature == 0:
         return int(torch.argmax(logits))
     x = logits.detach().float().cpu() / params.temperature
+    # stable sorts: among tied logits the lowest id ranks first, as argmax picks it, so top_k=1 or a tiny top_p
+    # is greedy even where bf16 logits tie
     if params.top_k > 0 and params.top_k < x.numel():
-        kth = torch.topk(x, params.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
+        keep = torch.sort(x, descending=True, stable=True).indices[:params.top_k]
+        x = torch.full_like(x, float("-inf")).scatter(0, keep, x[keep])
     if params.top_p < 1.0:
-        sorted_x, idx = torch.sort(x, descending=True)
+        sorted_x, idx = torch.sort(x, descending=True, stable=True)
         probs = torch.softmax(sorted_x, dim=-1)
         drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p  # keep the smallest prefix reaching top_p
         x = x.scatter(0, idx, sorted_x.masked_fill(drop, float("-inf")))
