@@ -1,6 +1,6 @@
 """Calibration and router-training text from the reference model's own training sources (no WikiText).
 
-For the PARSE quality bench's second protocol (parse.md, "Calibrated off WikiText"): the static baseline's whitening
+For the PARSE quality bench's second protocol (parse-log.md, "Calibrated off WikiText"): the static baseline's whitening
 and the routers both see only text of the sources the reference model was trained on that lie in ../shared/data
 (tinyshakespeare, NLTK movie reviews, inaugural addresses, State of the Union), split by document: every fourth
 document (seeded shuffle) into calib.txt, the rest into train.txt, so the two never share text.

@@ -1,7 +1,7 @@
 """Routing a batch together: how much smaller the union gets, and what it costs in quality (reference model, CPU).
 
 At B > 1 a decode step reads the union of the batch's subsets (workers/parse_decode.py), so its cost follows
-|union| / K (H200, B = 8: 1.08x static at a union of 1.04 K, 1.15x at 1.15 K; parse.md). `select_together`
+|union| / K (H200, B = 8: 1.08x static at a union of 1.04 K, 1.15x at 1.15 K; parse-log.md). `select_together`
 (workers/parse_batching.py) adds to every request's standardized router scores `pull` x the fraction of the batch
 whose own top-K holds the component. This bench routes WikiText-2 test windows in batches of B consecutive windows
 (prompt = the first `prompt_len` tokens), for each pull reports the mean union / K over batches and matrices and

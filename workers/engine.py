@@ -99,7 +99,7 @@ class Engine:
                  reroute_every: int = 0,  # PARSE: re-run the routers every N generated tokens; 0 = never
                  # PARSE, generate_batch: route each batch together (workers/parse_batching.select_together): on the
                  # reference model 0.2 cut a batch of 8's union from 1.18 K to 1.02 K and lowered perplexity
-                 # (477 -> 472; parse.md); 0 = every request its own routers' top-K
+                 # (477 -> 472; parse-log.md); 0 = every request its own routers' top-K
                  parse_pull: float = 0.2) -> None:
         if parse_pull < 0:
             raise ValueError(f"parse_pull must be >= 0, got {parse_pull}")

@@ -2,7 +2,7 @@
 
 A batch of B requests with different subsets reads the union of their components in every decode step
 (workers/parse_decode.py), so its cost grows with |union| / K: on the H200 at B = 8, 1.08x static at a union of
-1.05 K, 1.14x at 1.2 K (bench/results/parse.md). When more requests wait than fit in one batch, which of them
+1.05 K, 1.14x at 1.2 K (bench/results/parse-log.md). When more requests wait than fit in one batch, which of them
 share a batch is free to choose: `group_by_overlap` forms the batches greedily, oldest request first (so nobody
 waits behind a better match forever), each then filled with the waiting requests that add the fewest new
 component bytes to its union.
