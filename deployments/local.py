@@ -124,6 +124,7 @@ class RedisProcess:
             if not port_free(self.port):
                 return self
             time.sleep(0.05)
+        self.stop()
         raise RuntimeError(f"redis-server did not start on port {self.port}")
 
     def stop(self) -> None:
@@ -172,16 +173,16 @@ class LocalService:
     def start(self) -> "LocalService":
         from ray.serve.schema import ServeDeploySchema
 
+        schema = ServeDeploySchema.model_validate(self.config)  # before starting anything: a bad config leaves nothing
         for what, port in (("HTTP", urlparse(self.http_url).port), ("gRPC", int(self.grpc_target.split(":")[1]))):
             if not port_free(port):
                 raise RuntimeError(f"{what} port {port} is in use: stop what holds it or change the port in the config")
-        redis_url = self.app["args"].get("redis_url")
-        if self.start_redis and redis_url:
-            u = urlparse(redis_url)
-            if u.hostname in ("127.0.0.1", "localhost") and port_free(u.port or 6379):
-                self.redis = RedisProcess(u.port or 6379).start()
-        schema = ServeDeploySchema.model_validate(self.config)
         try:
+            redis_url = self.app["args"].get("redis_url")
+            if self.start_redis and redis_url:
+                u = urlparse(redis_url)
+                if u.hostname in ("127.0.0.1", "localhost") and port_free(u.port or 6379):
+                    self.redis = RedisProcess(u.port or 6379).start()
             self._start_ray(schema)
         except BaseException:
             self.stop()  # leave nothing running behind a failed start

@@ -35,7 +35,8 @@ from rankserve.proto import rankserve_pb2 as pb
 from rankserve.rank_cache import Embedder, Hit, RankCache
 
 log = logging.getLogger("ray.serve")
-api = FastAPI(title="rankserve", docs_url=None, redoc_url=None)
+# No /openapi.json or /docs: they would answer without the API key; proto/rankserve.proto and the README are the API.
+api = FastAPI(title="rankserve", openapi_url=None, docs_url=None, redoc_url=None)
 OVERHEAD_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1]
 GRPC_CODE = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
              408: grpc.StatusCode.DEADLINE_EXCEEDED, 503: grpc.StatusCode.UNAVAILABLE, 500: grpc.StatusCode.INTERNAL}
@@ -94,6 +95,7 @@ class Router:
         api_key_env: str | None = None,  # name of the environment variable holding comma-separated API keys
         embed_device: str = "cpu",
         embed_threads: int = 1,
+        ready_timeout_s: float = 5.0,  # /readyz: how long each family's worker has to answer
     ):
         import torch
 
@@ -101,11 +103,14 @@ class Router:
         self.workers = workers
         self.limits = {f: FamilyLimits(**v) for f, v in limits.items()}
         self.keys = ApiKeys.from_env(api_key_env)
+        self.ready_timeout_s = ready_timeout_s
         self.embedder = Embedder(device=embed_device)
         self.cache = RankCache(redis_url, **(rank_cache or {})) if redis_url else None
         if self.cache is not None:
             self.cache.start([])
         self.versions: dict[str, str] = {}
+        self.created: dict[str, int] = {}  # family -> unix time its checkpoint was written (/v1/models)
+        self.started = int(time.time())  # /v1/models' `created` until a family's worker has answered
         self._versions_locks = {f: asyncio.Lock() for f in self.limits}  # one family's slow start blocks only it
         self._background: set[asyncio.Task] = set()
 
@@ -189,8 +194,9 @@ class Router:
             return JSONResponse(error_body(f.message, ERROR_TYPE[401]), status_code=401,
                                 headers={"www-authenticate": "Bearer"})
         return {"object": "list", "data": [
-            {"id": f, "object": "model", "owned_by": "rankserve", "max_tokens": lim.max_tokens,
-             "model_version": self.versions.get(f)} for f, lim in sorted(self.limits.items())]}
+            {"id": f, "object": "model", "created": self.created.get(f, self.started), "owned_by": "rankserve",
+             "max_tokens": lim.max_tokens, "model_version": self.versions.get(f)}
+            for f, lim in sorted(self.limits.items())]}
 
     @api.get("/healthz")
     async def healthz(self):
@@ -198,13 +204,12 @@ class Router:
 
     @api.get("/readyz")
     async def readyz(self):
-        """Ready when every family's worker answers; the rank cache is reported, not required."""
-        missing = []
-        for f in self.limits:
-            try:
-                await asyncio.wait_for(self._version(f), timeout=5)
-            except Exception as e:  # readiness reports any failure to reach a worker as "not ready"
-                missing.append(f"{f}: {type(e).__name__}")
+        """Ready when every family's worker answers now (all asked at once, each within ready_timeout_s); the rank
+        cache is reported, not required."""
+        fams = list(self.limits)
+        answers = await asyncio.gather(*(self._ready(f) for f in fams), return_exceptions=True)
+        # readiness reports any failure to reach a worker as "not ready"
+        missing = [f"{f}: {type(a).__name__}" for f, a in zip(fams, answers) if isinstance(a, Exception)]
         body = {"status": "ok" if not missing else "unavailable", "families": self.versions,
                 "unavailable": missing, "rank_cache_redis_up": bool(self.cache and self.cache.redis_up)}
         return JSONResponse(body, status_code=200 if not missing else 503)
@@ -341,8 +346,21 @@ class Router:
                         raise _unavailable(family, e)
                     if self.cache is not None:
                         await asyncio.to_thread(self.cache.track, family, info["model_version"])
+                    self.created[family] = info["created"]
                     self.versions[family] = info["model_version"]
         return self.versions[family]
+
+    async def _ready(self, family: str) -> None:
+        """Raise unless the family's worker answers within ready_timeout_s. Asked every time, never cached: a worker
+        that died must show as not ready."""
+        resp = self.workers[family].info.remote()
+        try:
+            async with asyncio.timeout(self.ready_timeout_s):
+                await resp
+        except TimeoutError:
+            resp.cancel()  # awaiting no more doesn't cancel the call: don't leave it queued behind a stuck replica
+            raise
+        await asyncio.wait_for(self._version(family), self.ready_timeout_s)  # at once after the first time
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
     async def _embed(self, prompts: list[str]) -> list[np.ndarray]:

@@ -6,21 +6,27 @@ the served families by `check_request`; any problem raises `RequestError`, which
 prompt length in tokens against the context, is made by the worker with the family's tokenizer and reported
 the same way.
 
-Defaults follow OpenAI's completions API: max_tokens 16, temperature 1.0, top_p 1.0.
+Defaults follow OpenAI's completions API: max_tokens 16, temperature 1.0, top_p 1.0; like OpenAI, JSON null for
+an optional field means its default.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from rankserve.workers.sampler import MIN_TEMPERATURE  # the sampler's floor: smaller means greedy (0)
 
 MAX_STOP = 4  # OpenAI's limit on stop strings
 MAX_PROMPT_CHARS = 1_000_000  # refuse absurd bodies before tokenizing them; the token limit is the real bound
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1  # the proto's int64 seed, and what torch.Generator.manual_seed takes
 
 
 class RequestError(ValueError):
@@ -43,11 +49,28 @@ class CompletionRequest(BaseModel):
     temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)  # 0 = greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=0)  # 0 = off (a vLLM extra)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP)
     stream: bool = False
     n: Literal[1] = 1  # one choice per request
     user: str | None = None  # accepted for OpenAI clients, unused
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """OpenAI accepts null for an optional field and means its default: drop those keys (required ones stay)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items()
+                    if v is not None or k not in cls.model_fields or cls.model_fields[k].is_required()}
+        return data
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_not_tiny(cls, v: float) -> float:
+        if 0 < v < MIN_TEMPERATURE:
+            raise ValueError(f"{v:g} is below {MIN_TEMPERATURE:g}; temperatures that small must be 0 "
+                             "(greedy decoding)")
+        return v
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -90,6 +113,11 @@ def parse_request(body: bytes | str | dict) -> CompletionRequest:
             body = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise RequestError(f"the body is not valid JSON: {e}") from None
+        except RecursionError:  # e.g. 100000 '[': deeper than the parser's recursion limit
+            raise RequestError("the body is not valid JSON: nested too deeply") from None
+        except ValueError:  # an integer literal longer than Python parses (sys.get_int_max_str_digits())
+            raise RequestError(f"the body is not valid JSON: a number has more than {sys.get_int_max_str_digits()} "
+                               "digits") from None
     if not isinstance(body, dict):
         raise RequestError(f"the body must be a JSON object, got {type(body).__name__}")
     try:
@@ -98,7 +126,9 @@ def parse_request(body: bytes | str | dict) -> CompletionRequest:
         err = e.errors(include_url=False)[0]
         param = ".".join(str(p) for p in err["loc"]) or None
         msg = err["msg"]
-        if err["type"] == "extra_forbidden":
+        if err["type"] == "value_error":  # our own validators' messages, without pydantic's "Value error, "
+            msg = str(err["ctx"]["error"])
+        elif err["type"] == "extra_forbidden":
             msg = "unknown field (supported: " + ", ".join(CompletionRequest.model_fields) + ")"
         elif err["type"] == "missing":
             msg = "field required"
@@ -122,6 +152,10 @@ def from_proto(msg) -> dict[str, Any]:
     for f in ("max_tokens", "temperature", "top_p", "seed", "top_k"):
         if msg.HasField(f):
             d[f] = getattr(msg, f)
+    # float32 on the wire: take the decimal the client wrote (1e-05, not 9.99999975e-06), as HTTP would
+    for f in ("temperature", "top_p"):
+        if f in d:
+            d[f] = float(str(np.float32(d[f])))
     if msg.stop:
         d["stop"] = list(msg.stop)
     return d

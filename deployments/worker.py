@@ -19,6 +19,7 @@ import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from ray import serve
@@ -46,6 +47,20 @@ class FamilySpec:
     def __post_init__(self) -> None:
         if self.max_tokens <= 0 or self.request_timeout_s <= 0:
             raise ValueError(f"max_tokens and request_timeout_s must be positive: {self}")
+
+
+DEVICE_ERROR_WORDS = ("CUDA", "CUBLAS", "cuDNN")  # in the messages of torch's RuntimeErrors from the device
+
+
+def is_device_failure(e: BaseException) -> bool:
+    """A CUDA / accelerator error leaves the engine (and its device memory) unusable until the replica restarts;
+    any other error (bad numbers in one request, a bug on one input) fails that request only."""
+    import torch
+
+    kinds = [torch.cuda.OutOfMemoryError]
+    if hasattr(torch, "AcceleratorError"):  # torch >= 2.8 raises it for CUDA errors (a RuntimeError)
+        kinds.append(torch.AcceleratorError)
+    return isinstance(e, tuple(kinds)) or (isinstance(e, RuntimeError) and any(w in str(e) for w in DEVICE_ERROR_WORDS))
 
 
 def fold(events: list[dict]) -> dict[str, Any]:
@@ -82,6 +97,7 @@ class Worker:
         self.engine = Engine.load(self.spec.model_dir, device=self.spec.device, dtype=dtype,
                                   max_batch_size=self.spec.max_batch_size)
         self.version = self.spec.model_version or model_version(self.spec.model_dir)
+        self.created = int((Path(self.spec.model_dir) / "model.safetensors").stat().st_mtime)  # OpenAI's `created`
         self.stop_ids = set(self.engine.eos)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{family}")
         self._lock = asyncio.Lock()  # FIFO: one generation at a time
@@ -115,7 +131,7 @@ class Worker:
 
     def info(self) -> dict[str, Any]:
         return dict(family=self.family, model_version=self.version, max_seq_len=self.engine.max_seq_len,
-                    max_tokens=self.spec.max_tokens)
+                    max_tokens=self.spec.max_tokens, created=self.created)
 
     # ---- the two request paths --------------------------------------------------------------------------------
 
@@ -204,9 +220,10 @@ class Worker:
                 self.m_rate.observe((n - 1) / max(time.monotonic() - t_first, 1e-9), tags=tags)
             outcome = finish
             yield dict(event="end", finish_reason=finish, completion_tokens=n)
-        except RuntimeError as e:  # a device failure (e.g. CUDA) leaves the engine unusable: fail health checks
-            self._broken = str(e)
+        except Exception as e:  # fails this request (the router answers 500); CancelledError is not an Exception
             outcome = "error"
+            if is_device_failure(e):  # fail health checks: Serve replaces the replica
+                self._broken = f"{type(e).__name__}: {e}"
             raise
         finally:
             if gen is not None:  # close the engine's generator on its own thread, queued after any step in flight;

@@ -9,6 +9,7 @@ local index at once. When Redis is down, lookups keep serving what the local ind
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import numpy as np
 from .store import REDIS_ERRORS, RedisStore
 
 Space = tuple[str, str]  # (family, model version)
+log = logging.getLogger(__name__)
 
 
 class RankIndex:
@@ -100,7 +102,7 @@ class RankCache:
         redis_timeout_s: float = 0.5,
         poll_ms: int = 200,  # stream read block; also how often LRU touches are flushed
     ):
-        self.store = RedisStore(redis_url, timeout_s=redis_timeout_s)
+        self.store = RedisStore(redis_url, timeout_s=redis_timeout_s, dim=dim)
         self.threshold = threshold
         self.thresholds = dict(thresholds or {})
         self.max_entries = max_entries
@@ -209,26 +211,32 @@ class RankCache:
         return True
 
     def _tail(self) -> None:
+        """The background thread: apply the stream's events; on any failure, rebuild from Redis (never exit)."""
         backoff = 0.1
         while not self._stop.is_set():
-            if not self.redis_up:
-                if not self._rebuild():  # Redis may have restarted empty: it is the truth, so rebuild in full
-                    self._stop.wait(backoff)
-                    backoff = min(backoff * 2, 2.0)
-                    continue
-                backoff = 0.1
             try:
+                if not self.redis_up:
+                    if not self._rebuild():  # Redis may have restarted empty: it is the truth, so rebuild in full
+                        self._stop.wait(backoff)
+                        backoff = min(backoff * 2, 2.0)
+                        continue
+                    backoff = 0.1
                 self._flush_touches()
-                events = self.store.read_stream(self._last_id, block_ms=self.poll_ms)
+                last, events = self.store.read_stream(self._last_id, block_ms=self.poll_ms)
+                self._apply(last, events)
             except REDIS_ERRORS:
                 self.redis_up = False
-                continue
-            self._apply(events)
+            except Exception:  # a bug or data we didn't foresee: the local index may be off, so rebuild it
+                log.exception("rank cache: the stream reader failed; rebuilding from Redis in %.1f s", backoff)
+                self.redis_up = False
+                self._stop.wait(backoff)  # no busy loop if it keeps failing
+                backoff = min(backoff * 2, 2.0)
 
-    def _apply(self, events) -> None:
+    def _apply(self, last: str, events) -> None:
+        """Apply events read from the stream, up to stream id `last` (past any malformed entries left out)."""
         with self._lock:
+            self._last_id = last
             for ev in events:
-                self._last_id = ev.stream_id
                 space = self._spaces.get((ev.family, ev.version))
                 if space is None:  # a space this replica doesn't serve
                     continue

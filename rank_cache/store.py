@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,11 @@ return {id, evicted}
 
 # Any Redis failure (down, timing out, out of memory) makes the cache step aside until Redis answers again.
 REDIS_ERRORS = (redis.RedisError, OSError)
+log = logging.getLogger(__name__)
+
+
+class MalformedEntry(ValueError):
+    """An entry or stream event that isn't what `put` writes (another writer, a hand edit): skipped, never applied."""
 
 
 @dataclass
@@ -83,7 +89,8 @@ def _check_name(kind: str, name: str) -> None:
 class RedisStore:
     """Reads and writes rank-cache entries in Redis; every call may raise one of `REDIS_ERRORS`."""
 
-    def __init__(self, url: str, prefix: str = "rankcache", timeout_s: float = 0.5, stream_maxlen: int = 100_000):
+    def __init__(self, url: str, prefix: str = "rankcache", timeout_s: float = 0.5, stream_maxlen: int = 100_000,
+                 dim: int = 384):  # vector length every entry must have
         # Short timeouts and no retries: a down Redis must cost a request at most one timeout, once.
         opts = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
         self.r = redis.Redis.from_url(url, **opts)
@@ -93,6 +100,7 @@ class RedisStore:
         self.root = f"{prefix}:{KEY_SCHEMA}"
         self.stream = f"{self.root}:stream"
         self.stream_maxlen = stream_maxlen
+        self.dim = dim
         self._put = self.r.register_script(_PUT)
 
     def space(self, family: str, version: str) -> str:
@@ -118,9 +126,10 @@ class RedisStore:
             self.r.zadd(f"{self.space(family, version)}:ids", {str(i): now for i in ids}, xx=True)
 
     def entries(self, family: str, version: str, batch: int = 512):
-        """All entries of a space as `(ids (N,) int64, vecs (N, 384) float32, subsets list)`."""
+        """All entries of a space as `(ids (N,) int64, vecs (N, dim) float32, subsets list)`; malformed ones are
+        logged and left out."""
         sp = self.space(family, version)
-        ids = [int(i) for i in self.r.zrange(f"{sp}:ids", 0, -1)]
+        ids = [int(i) for i in self.r.zrange(f"{sp}:ids", 0, -1) if i.isdigit()]  # members are INCR ids
         out_ids, vecs, subsets = [], [], []
         for s in range(0, len(ids), batch):
             chunk = ids[s : s + batch]
@@ -130,33 +139,72 @@ class RedisStore:
             for i, (v, sub) in zip(chunk, pipe.execute()):
                 if v is None:  # evicted between ZRANGE and HMGET
                     continue
+                try:
+                    vec, subset = self._vec(v), _subset(sub)
+                except MalformedEntry as e:
+                    log.warning("rank cache: skipping entry %s:e:%s: %s", sp, i, e)
+                    continue
                 out_ids.append(i)
-                vecs.append(np.frombuffer(v, dtype="<f4"))
-                subsets.append(json.loads(sub))
-        dim = vecs[0].shape[0] if vecs else 0
-        return np.asarray(out_ids, dtype=np.int64), np.stack(vecs) if vecs else np.zeros((0, dim), np.float32), subsets
+                vecs.append(vec)
+                subsets.append(subset)
+        vecs = np.stack(vecs) if vecs else np.zeros((0, self.dim), np.float32)  # (N, dim)
+        return np.asarray(out_ids, dtype=np.int64), vecs, subsets
 
     def last_stream_id(self) -> str:
         """The newest stream id (tail from here after a rebuild), "0-0" for an empty stream."""
         last = self.r.xrevrange(self.stream, count=1)
         return last[0][0].decode() if last else "0-0"
 
-    def read_stream(self, after: str, block_ms: int, count: int = 512) -> list[Event]:
-        """Events after stream id `after`, waiting up to `block_ms` for the first one."""
+    def read_stream(self, after: str, block_ms: int, count: int = 512) -> tuple[str, list[Event]]:
+        """`(last stream id read, events)` after stream id `after`, waiting up to `block_ms` for the first one.
+        Malformed entries are logged and left out, but still count as read: the next call starts past them."""
         res = self.rb.xread({self.stream: after}, count=count, block=block_ms)
-        events = []
+        last, events = after, []
         for _, entries in res or []:
             for sid, f in entries:
-                ev = Event(sid.decode(), f[b"op"].decode(), f[b"family"].decode(), f[b"version"].decode(), int(f[b"id"]))
-                if ev.op == "add":
-                    ev.vec = np.frombuffer(f[b"vec"], dtype="<f4")
-                    ev.subset = json.loads(f[b"subset"])
-                events.append(ev)
-        return events
+                last = sid.decode()
+                try:
+                    events.append(self._event(last, f))
+                except MalformedEntry as e:
+                    log.warning("rank cache: skipping stream entry %s: %s", last, e)
+        return last, events
+
+    def _event(self, sid: str, f: dict[bytes, bytes]) -> Event:
+        """One stream entry's fields -> Event, or MalformedEntry saying what is wrong."""
+        try:
+            ev = Event(sid, f[b"op"].decode(), f[b"family"].decode(), f[b"version"].decode(), int(f[b"id"]))
+        except (KeyError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+            raise MalformedEntry(f"bad or missing op/family/version/id ({type(e).__name__}: {e})") from None
+        if not 0 < ev.id < 2**63:  # ids come from INCR: positive int64 (FAISS ids)
+            raise MalformedEntry(f"id {ev.id} is not a positive int64")
+        if ev.op == "add":
+            if b"vec" not in f or b"subset" not in f:
+                raise MalformedEntry("an 'add' without vec or subset")
+            ev.vec, ev.subset = self._vec(f[b"vec"]), _subset(f[b"subset"])
+        elif ev.op != "del":
+            raise MalformedEntry(f"unknown op {ev.op!r}")
+        return ev
+
+    def _vec(self, raw: bytes) -> np.ndarray:
+        """`dim` little-endian float32 -> (dim,) float32."""
+        if len(raw) != 4 * self.dim:
+            raise MalformedEntry(f"vec is {len(raw)} bytes, not {4 * self.dim} ({self.dim} float32)")
+        return np.frombuffer(raw, dtype="<f4")
 
     def close(self) -> None:
         self.r.close()
         self.rb.close()
+
+
+def _subset(raw: bytes) -> dict | None:
+    """A stored subset: JSON of an object or null."""
+    try:
+        subset = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nesting past the parser's limit
+        raise MalformedEntry(f"subset is not JSON ({type(e).__name__}: {e})") from None
+    if subset is not None and not isinstance(subset, dict):
+        raise MalformedEntry(f"subset is a JSON {type(subset).__name__}, not an object or null")
+    return subset
 
 
 def _vec_bytes(vec: np.ndarray) -> bytes:

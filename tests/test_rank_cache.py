@@ -1,5 +1,6 @@
 """Rank cache against a real redis-server: rebuild from Redis, stream tailing between two replicas, threshold,
-size bound (LRU), Redis going down and coming back. One test loads the real MiniLM.
+size bound (LRU), Redis going down and coming back, malformed entries in Redis skipped (the tail thread never dies).
+One test loads the real MiniLM.
 
 Run alone:  .venv/bin/python -m pytest tests/test_rank_cache.py -q     (needs `redis-server` on PATH)
 """
@@ -219,3 +220,69 @@ def test_minilm_embedder_similarity():
     assert x.shape == (3, DIM) and x.dtype == np.float32
     assert np.allclose(np.linalg.norm(x, axis=1), 1, atol=1e-5)
     assert x[0] @ x[1] > 0.9 > 0.3 > x[0] @ x[2]
+
+
+# ---- data the cache didn't write: skipped, never fatal -------------------------------------------------------------
+
+STREAM = f"rankcache:{KEY_SCHEMA}:stream"
+
+
+def test_malformed_stream_entries_are_skipped(make_cache, server, caplog):
+    """Another writer's (or a hand-made) bad entry is logged and skipped; the tail thread keeps applying later ones."""
+    a, b = make_cache(), make_cache()
+    r = redis.Redis.from_url(server.url)
+    good = {"op": "add", "family": "svd-llm", "version": "m1", "id": "500", "vec": unit("x").tobytes(), "subset": "{}"}
+    bad = [
+        {"op": "add", "family": "x", "version": "v9", "id": "1", "vec": "x", "subset": "{not json"},  # other space
+        {**good, "vec": unit("x")[:100].tobytes()},  # a tracked space: short vector
+        {**good, "subset": "{not json"},
+        {**good, "subset": "[1, 2]"},  # JSON, but not an object
+        {**good, "subset": "[" * 100_000},  # deeper than the JSON parser goes
+        {**good, "id": "not-an-id"},
+        {**good, "op": "upsert"},
+        {"op": "add", "family": "svd-llm"},  # fields missing
+    ]
+    for fields in bad:
+        r.xadd(STREAM, fields)
+    v = unit("after the bad ones")
+    a.insert("svd-llm", "m1", v, {"ok": 1})
+    wait_for(lambda: b.lookup("svd-llm", "m1", v) is not None, what="replica b to see the insert after bad entries")
+    assert b.lookup("svd-llm", "m1", v).subset == {"ok": 1} and b.size("svd-llm", "m1") == 1
+    assert b.redis_up and b._thread.is_alive()
+    assert sum("skipping stream entry" in m for m in caplog.messages) >= 2 * len(bad)  # a and b both skip each
+
+
+def test_tail_thread_survives_an_unexpected_error(make_cache):
+    """Any exception in the tail thread (a bug, say) marks Redis down and rebuilds; the thread never ends."""
+    a, b = make_cache(), make_cache()
+    apply, failed = b._apply, []
+
+    def apply_once_failing(last, events):
+        if events and not failed:
+            failed.append(last)
+            raise RuntimeError("boom")
+        apply(last, events)
+
+    b._apply = apply_once_failing
+    v, w = unit("lost in the failure"), unit("after it")
+    a.insert("svd-llm", "m1", v, {"v": 1})
+    wait_for(lambda: failed, what="the injected failure")
+    wait_for(lambda: b.lookup("svd-llm", "m1", v) is not None, what="b to rebuild from Redis")  # the rebuild has v
+    a.insert("svd-llm", "m1", w, {"w": 1})
+    wait_for(lambda: b.lookup("svd-llm", "m1", w) is not None, what="b to tail the stream again")
+    assert b.redis_up and b._thread.is_alive()
+
+
+def test_malformed_entries_are_skipped_on_rebuild(make_cache, server):
+    a = make_cache()
+    v = unit("good")
+    a.insert("svd-llm", "m1", v, {"good": 1})
+    r = redis.Redis.from_url(server.url)
+    sp = f"rankcache:{KEY_SCHEMA}:svd-llm:m1"
+    r.hset(f"{sp}:e:900", mapping={"vec": b"x", "subset": "{}"})
+    r.hset(f"{sp}:e:901", mapping={"vec": unit("y").tobytes(), "subset": "{not json"})
+    r.zadd(f"{sp}:ids", {"900": time.time(), "901": time.time(), "junk": time.time()})
+
+    b = make_cache()  # start() rebuilds from Redis: the bad entries are left out, the good one served
+    assert b.size("svd-llm", "m1") == 1 and b.lookup("svd-llm", "m1", v).subset == {"good": 1}
+    assert b.redis_up

@@ -3,10 +3,10 @@ redis-server, real HTTP and gRPC over sockets, the three families built from the
 
 Checks: HTTP, SSE, gRPC Generate and GenerateStream give `rankserve generate`'s greedy text; a similar prompt hits
 the rank cache (visible in /metrics); the PARSE family runs its routers on a miss only, with the CLI's text for both
-the routed and the cached subset; bad input is 400 / INVALID_ARGUMENT with a message; a missing or wrong key is
-401 / UNAUTHENTICATED; a client that goes away cancels its generation; the request timeout answers 408 /
-DEADLINE_EXCEEDED; a full queue is refused with 503 / UNAVAILABLE; with Redis stopped the service still answers
-(and picks Redis up again).
+the routed and the cached subset; bad input is 400 / INVALID_ARGUMENT with a message; JSON null means the default;
+a missing or wrong key is 401 / UNAUTHENTICATED, one valid key among the headers passes; a client that goes away
+cancels its generation; the request timeout answers 408 / DEADLINE_EXCEEDED; a full queue is refused with 503 /
+UNAVAILABLE; with Redis stopped the service still answers (and picks Redis up again).
 
 Run alone:  .venv/bin/python -m pytest tests/test_serve_integration.py -q     (~2 min; needs redis-server)
 """
@@ -163,6 +163,8 @@ def test_models_and_health(service):
     r = httpx.get(service.http_url + "/v1/models", headers=AUTH, timeout=10)
     assert r.status_code == 200
     assert {m["id"] for m in r.json()["data"]} == {"svd-llm", "basis-sharing", "parse-svd-llm", "deadline"}
+    assert all(isinstance(m["created"], int) and m["created"] > 0 for m in r.json()["data"])  # OpenAI's field
+    assert httpx.get(service.http_url + "/openapi.json", timeout=10).status_code == 404  # nothing to read without a key
     # the router learned every family's model version at start (and loaded those rank-cache spaces from Redis)
     wait_for(lambda: all(m["model_version"] for m in httpx.get(service.http_url + "/v1/models", headers=AUTH,
                                                                 timeout=10).json()["data"]), what="model versions")
@@ -249,6 +251,7 @@ BAD = [
     ({"model": "svd-llm", "prompt": "hi", "max_tokens": -3}, "max_tokens"),
     ({"model": "svd-llm", "prompt": "hi", "max_tokens": 100_000}, "limit of 256"),
     ({"model": "svd-llm", "prompt": "hi", "temperature": -0.5}, "temperature"),
+    ({"model": "svd-llm", "prompt": "hi", "temperature": 1e-40}, "must be 0 (greedy"),  # once a dead replica
     ({"model": "svd-llm", "prompt": "hi", "top_p": 0.0}, "top_p"),
     ({"model": "svd-llm", "prompt": "hi", "top_p": 1.5}, "top_p"),
     ({"model": "gpt-4", "prompt": "hi"}, "unknown model"),
@@ -274,7 +277,12 @@ def test_bad_input_is_400_and_invalid_argument(service, stub, body, words):
 
 @pytest.mark.parametrize("raw", [b"{not json", b"[]", b'{"model": "svd-llm"}', b'{"model": "svd-llm", "prompt": 7}',
                                  b'{"model": "svd-llm", "prompt": "hi", "max_tokens": "lots"}',
-                                 b'{"model": "svd-llm", "prompt": "hi", "logprobs": 2}'])
+                                 b'{"model": "svd-llm", "prompt": "hi", "logprobs": 2}',
+                                 b"[" * 100_000,
+                                 b'{"model": "svd-llm", "prompt": "hi", "max_tokens": ' + b"1" * 5000 + b"}",
+                                 b'{"model": "svd-llm", "prompt": "hi", "seed": 18446744073709551616}'],
+                         ids=["not-json", "list", "no-prompt", "int-prompt", "str-int", "unknown-field", "deep",
+                              "long-int", "seed-past-int64"])
 def test_malformed_body_is_400(service, raw):
     r = httpx.post(service.http_url + "/v1/completions", content=raw, headers={**AUTH, "content-type": "application/json"},
                    timeout=30)
@@ -303,6 +311,22 @@ def test_api_key_required(service, stub, headers):
         with pytest.raises(grpc.RpcError) as e:
             call(pb.GenerateRequest(**body), metadata=md, timeout=30)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_null_means_default_and_any_valid_key_passes(service, stub):
+    """OpenAI clients send null for optional fields; a client may send both credential headers, one of them stale."""
+    from rankserve.proto import rankserve_pb2 as pb
+
+    nulls = dict.fromkeys(["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "user"])
+    r = post(service, {"model": "svd-llm", "prompt": "hi", **nulls, "max_tokens": 2},
+             headers={"authorization": "Bearer stale", "x-api-key": KEY})
+    assert r.status_code == 200, r.text
+    r = post(service, {"model": "svd-llm", "prompt": "hi", "max_tokens": 2, "temperature": None},
+             headers={"x-api-key": KEY, "authorization": "Bearer stale"})
+    assert r.status_code == 200, r.text
+    rep = stub.Generate(pb.GenerateRequest(model="svd-llm", prompt="hi", max_tokens=2),
+                        metadata=(("x-api-key", KEY), ("authorization", "Bearer stale")), timeout=60)
+    assert rep.usage.completion_tokens <= 2
 
 
 # ---- cancellation, timeout -----------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The Worker deployment's request loop, in-process (no Ray cluster): same text as Engine.generate, the stop token
 kept out of the text, prompt-length check with its parameter, cancellation freeing the replica, the request
-timeout, FIFO queueing. The bundled stories260K model, greedy.
+timeout, FIFO queueing, an error in one request failing that request only (a device error failing health checks).
+The bundled stories260K model, greedy.
 
 Run alone:  .venv/bin/python -m pytest tests/test_worker.py -q
 """
@@ -11,6 +12,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+import torch
 
 from rankserve.deployments.worker import Worker, fold, model_version
 from rankserve.workers.engine import Engine
@@ -143,3 +145,37 @@ def test_model_version_is_stable(tmp_path):
     v = model_version(MODEL)
     assert v == model_version(MODEL) and ":" not in v and v.startswith("dense-")
     assert make_worker().info()["model_version"] == v
+
+
+def raising_stream(exc: BaseException):
+    """A stand-in for Engine.stream whose first step raises `exc` (on the engine thread, like a real step)."""
+    def stream(prompt, params, subset=None):
+        raise exc
+        yield
+
+    return stream
+
+
+def test_a_failing_request_leaves_the_replica_healthy():
+    """A non-device error (here torch.multinomial's, for inf/nan probabilities) fails that request only."""
+    w = make_worker()
+    real = w.engine.stream
+    w.engine.stream = raising_stream(RuntimeError("probability tensor contains either `inf`, `nan` or element < 0"))
+    with pytest.raises(RuntimeError, match="probability tensor"):
+        asyncio.run(w.generate(PROMPT, greedy(4), cached=False, subset=None))
+    w.check_health()  # no raise: Serve keeps the replica
+    assert w._broken is None and not w._lock.locked()
+    w.engine.stream = real
+    assert asyncio.run(w.generate(PROMPT, greedy(4), cached=False, subset=None))["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("CUDA error: an illegal memory access was encountered"),
+                                 torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")],
+                         ids=["cuda-error", "oom"])
+def test_a_device_failure_fails_health_checks(exc):
+    w = make_worker()
+    w.engine.stream = raising_stream(exc)
+    with pytest.raises(type(exc)):
+        asyncio.run(w.generate(PROMPT, greedy(4), cached=False, subset=None))
+    with pytest.raises(RuntimeError, match="engine failed"):
+        w.check_health()  # Serve restarts the replica after a few of these
