@@ -33,7 +33,8 @@ import torch
 from tqdm import tqdm
 
 from rankserve.compress.calibrate import CalibStats, calibrate
-from rankserve.workers.checkpoint import CheckpointError, Manifest, count_params, load_checkpoint, save_checkpoint
+from rankserve.workers.checkpoint import (Manifest, check_out_dir, count_params, load_checkpoint,
+                                         save_checkpoint)
 from rankserve.workers.model import PROJS, Transformer, proj_name
 from rankserve.workers.tokenizer import Tokenizer
 
@@ -170,9 +171,7 @@ def compress_model(model_dir: str | Path, out_dir: str | Path, method: str,
             raise ValueError(f"calibration text {calib_text} does not exist or is not a file")
         if Path(calib_text).stat().st_size == 0:
             raise ValueError(f"calibration text {calib_text} is empty; pass a text file with content")
-    out_dir = Path(out_dir)
-    if out_dir.exists():
-        raise CheckpointError(f"{out_dir} already exists; choose another output path or remove it first")
+    out_dir = check_out_dir(out_dir)  # exists, or cannot be created: refused before the work
 
     src, src_manifest = load_checkpoint(model_dir, device)
     store_dtype = src.embed.weight.dtype

@@ -35,6 +35,8 @@ def fidelity(model_dir: str | Path, data_path: str | Path, reference_dir: str | 
              prompts_path: str | Path | None = None, n_tokens: int = 16, seq_len: int | None = None,
              stride: int | None = None, max_tokens: int | None = None, progress: bool = True) -> dict[str, Any]:
     """The suite's numbers for one model (with a reference: agreement, KL, greedy identity as well)."""
+    if n_tokens < 1:
+        raise ValueError(f"n_tokens (greedy tokens compared per prompt) must be at least 1, got {n_tokens}")
     path = Path(data_path)
     if not path.is_file():
         raise ValueError(f"evaluation text {path} does not exist or is not a file")

@@ -48,13 +48,17 @@ def read_hf_config(src: Path) -> tuple[ModelConfig, dict]:
 
 def read_hf_tensors(src: Path, trust_pickle: bool = False) -> dict[str, torch.Tensor]:
     """All tensors of an HF directory: model.safetensors, sharded safetensors, or pytorch_model*.bin."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     files = sorted(src.glob("*.safetensors"))
     if files:
         out: dict[str, torch.Tensor] = {}
         for f in files:
-            out.update(load_file(str(f)))
+            try:
+                out.update(load_file(str(f)))
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from None
         return out
     bins = sorted(src.glob("pytorch_model*.bin"))
     if not bins:

@@ -115,8 +115,7 @@ def plan_experts(cfg, base: str, keep: float, pool_factor: float = 2.0,  # r_max
     """(K, r_max, groups) per factorized projection of a model with config `cfg`; dense ones are left out."""
     if base not in BASES:
         raise ValueError(f"unknown PARSE base {base!r}; choose one of {', '.join(BASES)}")
-    if pool_factor < 1:
-        raise ValueError(f"pool_factor must be at least 1 (r_max >= K), got {pool_factor}")
+    _check_knobs(pool_factor, group_size)
     ranks, groups = _plan(cfg, base, keep, group_size)
     shapes = cfg.linear_shapes()
     k = {n: r for n, r in ranks.items() if r is not None}
@@ -124,6 +123,13 @@ def plan_experts(cfg, base: str, keep: float, pool_factor: float = 2.0,  # r_max
     if not k:
         raise ValueError(f"keep={keep} leaves every projection dense: nothing to route")
     return k, r_max, groups
+
+
+def _check_knobs(pool_factor: float, group_size: int) -> None:
+    if not (math.isfinite(pool_factor) and pool_factor >= 1):
+        raise ValueError(f"pool_factor must be a finite number >= 1 (r_max >= K), got {pool_factor}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be at least 1, got {group_size}")
 
 
 def build_pool(dense_dir: str | Path, base: str, keep: float, calib_text: str | Path, pool_factor: float = 2.0,
@@ -256,7 +262,7 @@ def sample_windows(text_path: str | Path | list[str | Path], tokenizer: Tokenize
         raise ValueError(f"training text {path} does not exist or is not a file")
     raw = path.read_text(encoding="utf-8", errors="replace")
     if path.suffix == ".jsonl":
-        docs = [json.loads(l)["text"] for l in raw.splitlines() if l.strip()]
+        docs = _jsonl_texts(path, raw)
     else:
         docs = [raw[i:i + 65536] for i in range(0, len(raw), 65536)]
     rng = random.Random(seed)
@@ -279,6 +285,23 @@ def sample_windows(text_path: str | Path | list[str | Path], tokenizer: Tokenize
                          "a longer text or fewer windows")
     rng.shuffle(out)
     return torch.tensor(out[:n])
+
+
+def _jsonl_texts(path: Path, raw: str) -> list[str]:
+    """The "text" of every non-blank line of a JSONL corpus; a line without one names the file and line."""
+    docs = []
+    for no, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            doc = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"training text {path} line {no} is not JSON ({e})") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("text"), str):
+            raise ValueError(f"training text {path} line {no} has no \"text\" string (a JSONL corpus holds "
+                             f'{{"text": ...}} per line)')
+        docs.append(doc["text"])
+    return docs
 
 
 def collect(model: Transformer, dense: dict[str, torch.Tensor], windows: torch.Tensor, prompt_len: int,
@@ -582,6 +605,18 @@ def aggregate_experts(model: Transformer, R: dict[str, torch.Tensor], b: dict[st
 
 
 # --- the checkpoint ------------------------------------------------------------------------------
+WORK_MARKER = ".rankserve-parse-work"  # written into every work dir we create: only a marked dir is ever deleted
+
+
+class WorkDirMismatch(ValueError):
+    """The work dir holds an earlier run with other settings: its intermediates do not fit this one."""
+
+
+def is_work_dir(path: str | Path) -> bool:
+    """Whether `path` is a work dir that `build_parse_checkpoint` created (and may delete)."""
+    return (Path(path) / WORK_MARKER).is_file()
+
+
 def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
                            keep: float = 0.6,  # fraction of dense decoder-linear parameters the static baseline keeps
                            pool_factor: float = 2.0,  # r_max = min(ceil(pool_factor·K), min(out, in))
@@ -611,16 +646,21 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
     for label, p in [("calibration", calib_text)] + [("training", t) for t in train_files]:
         if not Path(p).is_file():
             raise ValueError(f"{label} text {p} does not exist or is not a file")
+    _check_knobs(pool_factor, group_size)
     work = Path(work_dir) if work_dir is not None else out_dir.parent / f".{out_dir.name}.parse-work"
     settings = dict(dense_dir=str(dense_dir), keep=keep, pool_factor=pool_factor, calib_text=str(calib_text),
                     train_text=train_files, base=base, calib_tokens=calib_tokens, calib_seq_len=calib_seq_len,
                     group_size=group_size, train={k: v for k, v in asdict(train).items() if k != "save_every"})
     settings = json.loads(json.dumps(settings))  # tuples as lists, as read back
+    if work.exists() and not is_work_dir(work) and (not work.is_dir() or any(work.iterdir())):
+        raise ValueError(f"{work} exists and is not a PARSE work dir (it has no {WORK_MARKER}); "
+                         "pass another work_dir")
     work.mkdir(parents=True, exist_ok=True)
+    (work / WORK_MARKER).touch()
     if (work / "settings.json").is_file():
         old = json.loads((work / "settings.json").read_text())
         if old != settings:
-            raise ValueError(f"{work} holds a run with other settings; remove it or pass another work_dir")
+            raise WorkDirMismatch(f"{work} holds a run with other settings; remove it or pass another work_dir")
     (work / "settings.json").write_text(json.dumps(settings, indent=1))
 
     tok = Tokenizer.load(dense_dir)

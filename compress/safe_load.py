@@ -32,7 +32,15 @@ from rankserve.workers.checkpoint import CheckpointError
 TRUST_HINT = "re-run with --trust-pickle only if you trust where the file came from"
 
 
+# what a corrupt, truncated or foreign file raises from inside torch.load / pickle
+_READ_ERRORS = (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError, TypeError, ValueError, KeyError,
+                IndexError, OverflowError, MemoryError, ImportError)
+_NEEDS_CODE = ("Unsupported global", "GLOBAL ", "Unsupported class")  # torch's weights-only refusals of a callable
+
+
 def load_torch_file(path: str | Path, trust_pickle: bool = False) -> Any:
+    """A .pt/.bin of tensors and plain containers (`torch.load(weights_only=True)`); anything else is refused
+    unless `trust_pickle`, then loaded with `weights_only=False`. Errors are one-line `CheckpointError`s."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist")
@@ -40,13 +48,34 @@ def load_torch_file(path: str | Path, trust_pickle: bool = False) -> Any:
         with warnings.catch_warnings():  # torch warns about legacy pickle protocols on stderr
             warnings.simplefilter("ignore")
             return torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError) as e:
+    except _READ_ERRORS as e:
+        if not any(s in str(e) for s in _NEEDS_CODE):
+            raise CheckpointError(f"{path} is not a readable torch file ({_reason(e)})") from None
         if not trust_pickle:
             found = re.search(r"GLOBAL ([\w.]+)", str(e))  # the callable the pickle asks for, when torch names it
             what = f" (it calls {found[1]})" if found else ""
             raise CheckpointError(f"{path} needs arbitrary pickled code to load{what}; refusing. "
                                   "Pass --trust-pickle only if you trust its source") from None
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return _load_trusted(path)
+
+
+def _load_trusted(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except _READ_ERRORS as e:  # ImportError: the pickle names a module this environment lacks
+        raise CheckpointError(f"{path} is not a readable torch pickle ({_reason(e)})") from None
+
+
+def _reason(e: BaseException) -> str:
+    """One short line from an exception torch or pickle raised (theirs run over several lines)."""
+    text = str(e)
+    if "WeightsUnpickler error:" in text:  # the weights-only unpickler's own explanation follows a long preamble
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    lines = [l.strip() for l in text.splitlines() if l.strip()]
+    if not lines:
+        return "empty or truncated" if isinstance(e, EOFError) else type(e).__name__
+    line = lines[0].split(". ")[0][:200]
+    return line if isinstance(e, (pickle.UnpicklingError, RuntimeError)) else f"{type(e).__name__}: {line}"
 
 
 # --- the restricted unpickler ----------------------------------------------------------------------
@@ -189,7 +218,7 @@ def load_torch_pickle(path: str | Path, trust_pickle: bool = False) -> Any:
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist")
     if trust_pickle:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return _load_trusted(path)
     if _is_torchscript(path):  # torch.load would hand it to torch.jit.load, which runs the archive's code
         raise CheckpointError(f"{path} is a TorchScript archive, not a pickled model or state dict ({TRUST_HINT})")
     try:
@@ -198,17 +227,18 @@ def load_torch_pickle(path: str | Path, trust_pickle: bool = False) -> Any:
         raise CheckpointError(f"{path}: the pickle calls `{e.args[0]}`, which is not on the allow-list of tensor "
                               f"rebuilders and plain containers; refusing to run code from the file "
                               f"({TRUST_HINT})") from None
-    except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError, TypeError, ValueError, KeyError,
-            IndexError, OverflowError) as e:
-        msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        raise CheckpointError(f"{path} is not a readable torch pickle ({msg})") from None
+    except _READ_ERRORS as e:
+        raise CheckpointError(f"{path} is not a readable torch pickle ({_reason(e)})") from None
 
 
 def _is_torchscript(path: Path) -> bool:
     if not zipfile.is_zipfile(path):
         return False
-    with zipfile.ZipFile(path) as z:
-        return any(n.rsplit("/", 1)[-1] == "constants.pkl" for n in z.namelist())
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(n.rsplit("/", 1)[-1] == "constants.pkl" for n in z.namelist())
+    except zipfile.BadZipFile:  # torch.load will say what is wrong with it
+        return False
 
 
 def stub_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:

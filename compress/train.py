@@ -19,7 +19,9 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import shutil
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -336,6 +338,8 @@ def train(data_dir: Path, out_dir: Path, t: TrainConfig, start_time: float | Non
         if not (data_dir / name).is_file():
             raise FileNotFoundError(f"{data_dir / name} is missing: run compress/corpus.py then compress/bpe.py, "
                                     f"and carry that folder to the device")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):  # checked before the training time
+        raise FileExistsError(f"{out_dir} exists and is not empty; pass a new --out (nothing is overwritten)")
     if t.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("no CUDA device: pass --device cpu for a smoke run")
     torch.manual_seed(t.seed)
@@ -442,29 +446,39 @@ def train(data_dir: Path, out_dir: Path, t: TrainConfig, start_time: float | Non
     test_bytes = manifest["heldout"]["test"]["bytes"] * n_scored / (len(test_np) - 1)
     prompt_ids = tok.encode(SAMPLE_PROMPT).ids  # starts with <s>
     sample = tok.decode(generate_greedy(model, prompt_ids), skip_special_tokens=True)
-    save_hf(model, out_dir, data_dir / "tokenizer.json")
-    hf_check = _check_with_transformers(model, out_dir, test_data[:t.seq_len])
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))  # renamed to out_dir when complete
+    try:
+        save_hf(model, stage, data_dir / "tokenizer.json")
+        hf_check = _check_with_transformers(model, stage, test_data[:t.seq_len])
 
-    tail = [r["train_loss"] for r in logs[-5:]]
-    final = {
-        "steps": step, "tokens_seen": step * tokens_per_step, "epochs": step * tokens_per_step / len(train_np),
-        "train_seconds": train_seconds, "tokens_per_s": step * tokens_per_step / max(train_seconds, 1e-9),
-        "train_loss": float(np.mean(tail)) if tail else None,  # mean of the last 5 logged intervals
-        "test_loss": test_loss, "test_perplexity": math.exp(test_loss), "test_tokens_scored": n_scored,
-        "test_bits_per_byte": test_loss * n_scored / math.log(2) / test_bytes,
-        "val_loss": val_loss, "val_perplexity": math.exp(val_loss),
-        "unigram_test_perplexity": uni, "unigram_val_fit_test_perplexity": uni_val,
-        "perplexity_ratio_to_unigram": math.exp(test_loss) / uni, "sample_prompt": SAMPLE_PROMPT, "sample": sample,
-        "compiled": compiled,
-    }
-    log = {"model": asdict(cfg), "params": n_params, "train_config": asdict(t), "final": final, "hf_check": hf_check,
-           "train_py_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
-           "data": manifest["tokens"],
-           "torch": torch.__version__, "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-           "logs": logs, "evals": evals}
-    (out_dir / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
-    plot_loss(log, out_dir / "loss.png")
-    (out_dir / "README.md").write_text(model_card(log, manifest))
+        tail = [r["train_loss"] for r in logs[-5:]]
+        final = {
+            "steps": step, "tokens_seen": step * tokens_per_step, "epochs": step * tokens_per_step / len(train_np),
+            "train_seconds": train_seconds, "tokens_per_s": step * tokens_per_step / max(train_seconds, 1e-9),
+            "train_loss": float(np.mean(tail)) if tail else None,  # mean of the last 5 logged intervals
+            "test_loss": test_loss, "test_perplexity": math.exp(test_loss), "test_tokens_scored": n_scored,
+            "test_bits_per_byte": test_loss * n_scored / math.log(2) / test_bytes,
+            "val_loss": val_loss, "val_perplexity": math.exp(val_loss),
+            "unigram_test_perplexity": uni, "unigram_val_fit_test_perplexity": uni_val,
+            "perplexity_ratio_to_unigram": math.exp(test_loss) / uni, "sample_prompt": SAMPLE_PROMPT, "sample": sample,
+            "compiled": compiled,
+        }
+        log = {"model": asdict(cfg), "params": n_params, "train_config": asdict(t), "final": final,
+               "hf_check": hf_check, "train_py_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+               "data": manifest["tokens"], "torch": torch.__version__,
+               "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               "logs": logs, "evals": evals}
+        (stage / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
+        plot_loss(log, stage / "loss.png")
+        (stage / "README.md").write_text(model_card(log, manifest))
+        os.chmod(stage, 0o755)  # mkdtemp makes it private; the model is an ordinary directory
+        if out_dir.exists():
+            out_dir.rmdir()  # empty: checked before training
+        os.replace(stage, out_dir)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
 
     print(f"final: steps {step}, tokens seen {final['tokens_seen']:,} ({final['epochs']:.1f} epochs) in "
           f"{train_seconds:.0f} s ({final['tokens_per_s'] / 1e6:.2f} M tokens/s)")
@@ -602,7 +616,10 @@ def main(argv: list[str] | None = None) -> None:
     t = replace(d, **a)
     if t.device == "cpu" and t.max_steps is None:
         ap.error("--device cpu needs --max-steps (the time budget is sized for a GPU)")
-    train(data, out, t, start_time=start_time)
+    try:
+        train(data, out, t, start_time=start_time)
+    except (FileNotFoundError, FileExistsError) as e:  # checked before training: a one-line error
+        ap.exit(2, f"error: {e}\n")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,11 @@ Errors a user can fix (bad paths, shapes, ranges) print one line on stderr and e
 from __future__ import annotations
 
 import json
+import math
+import os
+import signal
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -16,10 +20,23 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Serve low-rank (SVD-compressed) LLaMA models.")
 bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help="GPU and load benchmarks.")
 app.add_typer(bench_app, name="bench")
+# bench subcommands hand every argument, --help included, to their module's own argparse
+PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 
 FAMILIES = ("hf", "llama2c", "svd-llm", "svd-llm-v2", "dobi-svd", "basis-sharing")
 METHODS = ("svd", "svd-llm", "basis-sharing")
 PARSE_BASES = ("svd-llm", "basis-sharing", "svd")  # compress.parse.BASES (not imported here: it pulls in torch)
+
+
+@app.callback()
+def _setup() -> None:
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM unwinds like Ctrl-C, so temp dirs go and the "interrupted" line prints; a second one kills."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise KeyboardInterrupt
 
 
 def _fail(msg: str) -> None:
@@ -40,7 +57,31 @@ def _run(fn: Callable[[], Any]) -> Any:
 
 
 def _emit(as_json: bool, obj: dict[str, Any], human: str) -> None:
-    typer.echo(json.dumps(obj) if as_json else human)
+    typer.echo(json.dumps(_finite(obj), allow_nan=False) if as_json else human)
+
+
+def _finite(x: Any) -> Any:
+    """`x` with NaN and infinities as None: JSON has no spelling for them (a diverged model's perplexity)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _device(name: str) -> str:
+    """`name` when torch can place a tensor there (checked before any model loads), else a one-line error."""
+    import torch
+
+    try:
+        torch.empty(0, device=torch.device(name))
+    except (RuntimeError, AssertionError, ValueError) as e:  # AssertionError: "Torch not compiled with CUDA enabled"
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"--device {name!r} is not usable here ({reason}); use cpu, or cuda[:N] on a machine "
+                         f"with a CUDA GPU") from None
+    return name
 
 
 def _dtype(name: str | None):
@@ -76,10 +117,29 @@ def _read_subset(path: Path, routers) -> dict:
         raise ValueError(f"subset file {path}: {e}") from None
 
 
+def _check_out_file(flag: str, path: Path) -> None:
+    """Refuse an output file path that cannot be written, before the work that fills it."""
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a directory; pass a file path")
+    if not path.parent.is_dir():
+        raise ValueError(f"{flag} {path}: {path.parent} is not a directory")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: {path.parent} is not writable")
+
+
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    """Write `text` to a temp file beside `path`, renamed over it when complete; nothing is left on failure."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp's file is private; this one is an ordinary output
+        os.replace(tmp, path)
+    except BaseException as e:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise ValueError(f"cannot write {path}: {e}") from None
+        raise
 
 
 @app.command("import")
@@ -96,8 +156,9 @@ def import_cmd(
 
     def body():
         from rankserve.compress.import_lowrank import IMPORTERS
-        from rankserve.workers.checkpoint import read_config
+        from rankserve.workers.checkpoint import check_out_dir, read_config
 
+        check_out_dir(out)  # before reading a large source
         path = IMPORTERS[family](src, out, trust_pickle=trust_pickle)
         _, man = read_config(path)
         _emit(as_json, {"out": str(path), "family": man.family, "keep": man.keep},
@@ -125,8 +186,9 @@ def compress_cmd(
 
     def body():
         from rankserve.compress.factorize import compress_model
-        from rankserve.workers.checkpoint import read_config
+        from rankserve.workers.checkpoint import check_out_dir, read_config
 
+        check_out_dir(out)  # before the calibration and factorization
         path = compress_model(model, out, method=method, keep=keep, calib_text=calib, calib_tokens=calib_tokens,
                               group_size=group_size, progress=not as_json)
         _, man = read_config(path)
@@ -201,7 +263,9 @@ def generate_cmd(
 
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=tuple(stop))
-        engine = Engine.load(model, device=device, dtype=_dtype(dtype))
+        if subset_out is not None:
+            _check_out_file("--subset-out", subset_out)
+        engine = Engine.load(model, device=_device(device), dtype=_dtype(dtype))
         subset = None
         if parse or subset_file is not None:
             if engine.routers is None:
@@ -238,14 +302,23 @@ def eval_cmd(
 ) -> None:
     """Fidelity suite: perplexity over a text file (sliding window); with --reference also top-1 agreement, KL and
     greedy identity over a fixed prompt set."""
+    if max_tokens < 0:
+        _fail(f"--max-tokens must be >= 0 (0 = all), got {max_tokens}")
+    if greedy_tokens < 1:
+        _fail(f"--greedy-tokens must be at least 1, got {greedy_tokens}")
+    for flag, v in (("--seq-len", seq_len), ("--stride", stride)):
+        if v is not None and v < 1:
+            _fail(f"{flag} must be at least 1, got {v}")
 
     def body():
         from rankserve.compress.fidelity import fidelity, fidelity_table
 
+        if markdown is not None:
+            _check_out_file("--markdown", markdown)
         res = fidelity(model, data, reference_dir=reference, prompts_path=prompts, n_tokens=greedy_tokens,
                        seq_len=seq_len, stride=stride, max_tokens=max_tokens or None, progress=not as_json)
         if markdown is not None:
-            markdown.write_text(fidelity_table([res]))
+            _write_atomic(markdown, fidelity_table([res]))
         human = f"perplexity {res['perplexity']:.4f} over {res['tokens']} tokens"
         if "top1_agreement" in res:
             human += (f"; top-1 agreement {res['top1_agreement']:.4f}, KL {res['kl']:.5f}, greedy identity "
@@ -296,8 +369,10 @@ def train_parse_cmd(
         _fail(f"unknown PARSE base {base!r}; choose one of: {', '.join(PARSE_BASES)}")
     if not 0 < keep <= 1:
         _fail(f"--keep must be in (0, 1], got {keep}")
-    if pool_factor < 1:
-        _fail(f"--pool-factor must be at least 1 (r_max >= K), got {pool_factor}")
+    if not (math.isfinite(pool_factor) and pool_factor >= 1):
+        _fail(f"--pool-factor must be a finite number >= 1 (r_max >= K), got {pool_factor}")
+    if group_size < 1:
+        _fail(f"--group-size must be at least 1, got {group_size}")
     if steps < 0 or kd_steps < 0 or calib_tokens <= 0:
         _fail("--steps and --kd-steps must be >= 0, --calib-tokens positive")
     work = work_dir or out.parent / f".{out.name}.parse-work"
@@ -311,32 +386,42 @@ def train_parse_cmd(
         for label, p in [("calibration", calib_text)] + [("training", t) for t in train_text]:
             _check_text(label, p)
 
-        from rankserve.compress.parse import TrainConfig, build_parse_checkpoint
-        from rankserve.workers.checkpoint import CheckpointError, read_config
+        from rankserve.compress.parse import (WORK_MARKER, TrainConfig, WorkDirMismatch, build_parse_checkpoint,
+                                              is_work_dir)
+        from rankserve.workers.checkpoint import check_out_dir, read_config
 
         read_config(dense)  # a missing or foreign checkpoint fails here, before any work
+        check_out_dir(out)
         knobs = dict(windows=windows, window=window, prompt_len=prompt_len, batch_size=batch_size, kd_batch=kd_batch,
                      seed=seed)
         train = TrainConfig(**{k: v for k, v in knobs.items() if v is not None})
-        resumed = (work / "settings.json").is_file()  # the builder's mark of a work dir
-        if work.exists() and not resumed and any(work.iterdir()):
-            raise ValueError(f"work dir {work} exists and is not a train-parse work dir; pass another --work-dir")
-        if resumed and not resume:
+        if work.exists() and not work.is_dir():
+            raise ValueError(f"work dir {work} is not a directory; pass another --work-dir")
+        if work.exists() and not is_work_dir(work) and any(work.iterdir()):  # never delete or mix into a foreign dir
+            raise ValueError(f"work dir {work} is not empty and is not a train-parse work dir (it has no {WORK_MARKER}); "
+                             f"pass another --work-dir")
+        if is_work_dir(work) and not resume:  # ours, and every input is checked: start over
             shutil.rmtree(work)
-            resumed = False
-        created = not work.exists()
+        resumed = (work / "settings.json").is_file()
+        existed = work.exists()
+        fresh = not existed or not any(work.iterdir())
         t0 = time.perf_counter()
         try:
             path = build_parse_checkpoint(dense, out, keep=keep, pool_factor=pool_factor, calib_text=calib_text,
                                           train_text=list(train_text), steps=steps, kd_steps=kd_steps, base=base,
                                           train=train, calib_tokens=calib_tokens, calib_seq_len=calib_seq_len,
                                           group_size=group_size, work_dir=work, progress=not as_json)
-        except (ValueError, CheckpointError):
-            if created:  # bad input: nothing in it is reusable (other arguments make another run)
-                shutil.rmtree(work, ignore_errors=True)
-            raise
+        except WorkDirMismatch:
+            raise ValueError(f"work dir {work} holds an unfinished run with other arguments; pass --no-resume to "
+                             f"discard it, or --work-dir to start elsewhere") from None
         except KeyboardInterrupt:
             _fail(f"interrupted; run the same command again to resume from {work}")
+        except Exception:
+            if fresh and is_work_dir(work):  # this run's own: nothing to resume, and it would refuse the fixed command
+                shutil.rmtree(work, ignore_errors=True)
+                if existed:
+                    work.mkdir(exist_ok=True)
+            raise
         _, man = read_config(path)
         st = man.methods["parse"]
         tr = st["training"]
@@ -419,7 +504,7 @@ def build_rank_cache_cmd(
             read_config(model)
             version = model_version or derive_version(model)
             cache.store.space(family, version)  # a family name that cannot be part of a key fails here
-            engine = Engine.load(model, device=device, dtype=_dtype(dtype))
+            engine = Engine.load(model, device=_device(device), dtype=_dtype(dtype))
             if engine.routers is None:
                 raise ValueError(f"{model} has no PARSE routers (family {engine.manifest.family}); the rank cache "
                                  f"holds PARSE subsets: build the model with `rankserve train-parse`")
@@ -479,36 +564,37 @@ def serve_cmd(
     _run(body)
 
 
-@bench_app.command("decode")
-def bench_decode_cmd(args: list[str] = typer.Argument(None, help="arguments passed to bench/decode.py")) -> None:
-    """GPU decode benchmark (see bench/decode.py --help)."""
+@bench_app.command("decode", context_settings=PASS_THROUGH)
+def bench_decode_cmd(ctx: typer.Context) -> None:
+    """GPU decode benchmark; arguments go to bench/decode.py (rankserve bench decode --help)."""
     from rankserve.bench.decode import main
 
-    sys.exit(main(args or []))
+    sys.exit(main(ctx.args))
 
 
-@bench_app.command("prefill")
-def bench_prefill_cmd(args: list[str] = typer.Argument(None, help="arguments passed to bench/decode.py --prefill")) -> None:
-    """GPU prefill latency benchmark."""
+@bench_app.command("prefill", context_settings=PASS_THROUGH)
+def bench_prefill_cmd(ctx: typer.Context) -> None:
+    """GPU prefill latency benchmark; arguments go to bench/decode.py --prefill-only."""
     from rankserve.bench.decode import main
 
-    sys.exit(main(["--prefill-only", *(args or [])]))
+    sys.exit(main(["--prefill-only", *ctx.args]))
 
 
-@bench_app.command("parse-speed")
-def bench_parse_speed_cmd(args: list[str] = typer.Argument(None, help="arguments passed to bench/parse_speed.py")) -> None:
-    """GPU PARSE speed: rank slots vs static truncation at the same K (B = 1 and 8, routed-like overlap)."""
+@bench_app.command("parse-speed", context_settings=PASS_THROUGH)
+def bench_parse_speed_cmd(ctx: typer.Context) -> None:
+    """GPU PARSE speed: rank slots vs static truncation at the same K (B = 1 and 8, routed-like overlap);
+    arguments go to bench/parse_speed.py."""
     from rankserve.bench.parse_speed import main
 
-    sys.exit(main(args or []))
+    sys.exit(main(ctx.args))
 
 
-@bench_app.command("load")
-def bench_load_cmd(args: list[str] = typer.Argument(None, help="arguments passed to bench/load.py")) -> None:
-    """Staged-concurrency load test against the local service."""
+@bench_app.command("load", context_settings=PASS_THROUGH)
+def bench_load_cmd(ctx: typer.Context) -> None:
+    """Staged-concurrency load test against the local service; arguments go to bench/load.py."""
     from rankserve.bench.load import main
 
-    sys.exit(main(args or []))
+    sys.exit(main(ctx.args))
 
 
 def main() -> None:  # pragma: no cover

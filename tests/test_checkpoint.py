@@ -164,3 +164,81 @@ def test_rope_scaling_legacy_type_key_and_unknown_kinds():
                        rope_inv_freq(ModelConfig(**base)))
     with pytest.raises(ValueError, match="yarn"):
         ModelConfig(**base, rope_scaling={"type": "yarn", "factor": 4.0})
+
+
+@pytest.mark.parametrize("patch, match", [
+    ([1], "must hold a JSON object, not a list"),
+    ({"groups": ["a"]}, "field 'groups' must be an object"),
+    ({"groups": {"g": [5]}}, "group 'g' must be a list of projection names"),
+    ({"methods": []}, "field 'methods' must be an object"),
+    ({"ranks": [1, 2]}, "field 'ranks' must be an object"),
+])
+def test_malformed_manifest_types_are_checkpoint_errors(tmp_path, patch, match):
+    path = _save_dense(tmp_path)
+    man = json.loads((path / "rankserve.json").read_text())
+    (path / "rankserve.json").write_text(json.dumps(patch if isinstance(patch, list) else {**man, **patch}))
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("state, match", [([1], "methods.parse must be an object"),
+                                          ({"k": 5}, r"methods.parse.k must map"),
+                                          ({"k": {"layers.0.attn.q": 4}}, "lacks the field 'r_max'"),
+                                          ({"k": {"layers.0.attn.q": "4"}, "r_max": {}}, r"methods.parse.k must map")])
+def test_malformed_parse_state_is_a_checkpoint_error(tmp_path, state, match):
+    from rankserve.workers.parse import load_parse
+
+    path = save_checkpoint(tmp_path / "m", _random_model(_ranks()), Manifest(family="x", ranks={},
+                                                                            methods={"parse": state}))
+    model, _ = load_checkpoint(path)
+    with pytest.raises(CheckpointError, match=match):
+        load_parse(path, model)
+
+
+@pytest.mark.parametrize("error", ["oserror", "safetensors"])
+def test_failed_write_is_a_checkpoint_error_and_leaves_nothing(tmp_path, monkeypatch, error):
+    """A full disk (here simulated inside safetensors' writer) is one CheckpointError; the temp dir goes."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    import rankserve.workers.checkpoint as ckpt
+
+    def full(*args, **kwargs):
+        if error == "oserror":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise SafetensorError("Error while serializing: IoError(No space left on device)")
+
+    monkeypatch.setattr(ckpt, "save_file", full)
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        save_checkpoint(tmp_path / "out", _random_model(), Manifest(family="x", ranks={}))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_output_under_a_file_is_a_checkpoint_error(tmp_path):
+    from rankserve.workers.checkpoint import check_out_dir
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="cannot write"):
+        save_checkpoint(tmp_path / "file" / "out", _random_model(), Manifest(family="x", ranks={}))
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        check_out_dir(tmp_path / "file" / "sub" / "out")
+    assert check_out_dir(tmp_path / "new" / "out") == tmp_path / "new" / "out"  # created by the save
+
+
+def test_save_sweeps_temp_dirs_of_killed_writers(tmp_path):
+    """A writer killed by SIGKILL leaves `.NAME.tmp-*`; the next save to NAME removes those untouched for an hour."""
+    import os
+    import time
+
+    from rankserve.workers.checkpoint import STALE_TMP_S
+
+    stale, live, other = tmp_path / ".out.tmp-dead", tmp_path / ".out.tmp-live", tmp_path / ".other.tmp-dead"
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"partial")
+    old = time.time() - STALE_TMP_S - 60
+    for p in (stale, stale / "model.safetensors", other, other / "model.safetensors"):
+        os.utime(p, (old, old))
+    save_checkpoint(tmp_path / "out", _random_model(), Manifest(family="x", ranks={}))
+    assert not stale.exists() and live.exists() and other.exists()  # another output's temp dirs are not ours

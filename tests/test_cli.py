@@ -95,13 +95,36 @@ def test_pickle_needing_code_is_refused(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     (src / "config.json").write_text((BUNDLED / "config.json").read_text())
-    with open(src / "pytorch_model.bin", "wb") as f:
-        pickle.dump({"model": _Evil()}, f)
+    torch.save({"model": _Evil()}, src / "pytorch_model.bin")  # a torch file: --trust-pickle would load it
     marker = Path("/tmp/rankserve-pwned")
     marker.unlink(missing_ok=True)
     p = rankserve("import", "--family", "hf", src, tmp_path / "out")
-    assert_clean_error(p, "--trust-pickle")
+    assert_clean_error(p, "needs arbitrary pickled code to load (it calls posix.system)")
+    assert "--trust-pickle" in p.stderr
     assert not marker.exists() and not (tmp_path / "out").exists()
+    with open(src / "pytorch_model.bin", "wb") as f:  # a plain pickle is no torch file, with or without trust
+        pickle.dump({"model": _Evil()}, f)
+    assert_clean_error(rankserve("import", "--family", "hf", src, tmp_path / "out"), "is not a readable torch file")
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_unreadable_weights_are_not_called_pickles_needing_code(tmp_path):
+    """A truncated, empty or garbage .bin / .safetensors is unreadable, not "needs code"; --trust-pickle alike."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text((BUNDLED / "config.json").read_text())
+    torch.save({"embed.weight": torch.zeros(4, 4)}, tmp_path / "good.bin")
+    whole = (tmp_path / "good.bin").read_bytes()
+    for data, trust in [(whole[:len(whole) // 2], []), (b"", []), (b"", ["--trust-pickle"]),
+                        (b"garbage " * 20, ["--trust-pickle"])]:
+        (src / "pytorch_model.bin").write_bytes(data)
+        p = rankserve("import", "--family", "hf", src, tmp_path / "out", *trust)
+        assert_clean_error(p, "is not a readable torch file")
+        assert "needs arbitrary pickled code" not in p.stderr
+    (src / "pytorch_model.bin").unlink()
+    (src / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
+    assert_clean_error(rankserve("import", "--family", "hf", src, tmp_path / "out"), "is not a readable safetensors file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good.bin", "src"]
 
 
 # ---- PARSE ---------------------------------------------------------------------------------------------------
@@ -165,7 +188,9 @@ def test_train_parse_bad_inputs(tmp_path):
     other = tmp_path / ".o.parse-work"  # a work dir left by a run with other arguments
     other.mkdir()
     (other / "settings.json").write_text("{}")
-    assert_clean_error(rankserve("train-parse", BUNDLED, out, *PARSE_ARGS), "holds a run with other settings")
+    (other / ".rankserve-parse-work").touch()
+    assert_clean_error(rankserve("train-parse", BUNDLED, out, *PARSE_ARGS), "holds an unfinished run with other "
+                       "arguments; pass --no-resume to discard it, or --work-dir to start elsewhere")
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == [".o.parse-work", "empty.txt"]
     assert_clean_error(rankserve("train-parse", BUNDLED, tmp_path, *PARSE_ARGS), "already exists")
 
@@ -216,3 +241,134 @@ def test_bench_parse_speed_without_a_gpu_says_so():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr
     assert "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+
+
+# ---- user errors found in review: one line, exit 2, nothing left behind ---------------------------------------
+
+def test_train_parse_never_deletes_a_dir_it_did_not_create(tmp_path):
+    """--no-resume removes only a marked PARSE work dir, and only once the inputs are checked."""
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "settings.json").write_text("{}")  # looks like a work dir, but holds someone's files
+    (precious / "notes.txt").write_text("keep me")
+    for dense in (BUNDLED, tmp_path / "nope"):
+        p = rankserve("train-parse", dense, tmp_path / "o", *PARSE_ARGS, "--work-dir", precious, "--no-resume")
+        assert_clean_error(p, "is not a directory" if dense != BUNDLED else "is not a train-parse work dir")
+        assert sorted(f.name for f in precious.iterdir()) == ["notes.txt", "settings.json"]
+    marked = tmp_path / ".o.parse-work"  # an earlier run's (marked) work dir: --no-resume starts over
+    marked.mkdir()
+    (marked / ".rankserve-parse-work").touch()
+    (marked / "settings.json").write_text("{}")
+    assert_clean_error(rankserve("train-parse", tmp_path / "nope", tmp_path / "o", *PARSE_ARGS, "--no-resume"),
+                       "is not a directory")
+    assert (marked / "settings.json").is_file()  # bad input: nothing deleted
+    p = rankserve("train-parse", BUNDLED, tmp_path / "o", *PARSE_ARGS, "--no-resume", "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["resumed"] is False and not marked.exists()
+
+
+def test_train_parse_failures_leave_no_work_dir(tmp_path):
+    """A failed run removes the work dir it created, so the corrected command is not refused as "other settings"."""
+    out = tmp_path / "o"
+    for flags, msg in [(["--pool-factor", "inf"], "--pool-factor must be a finite number >= 1"),
+                       (["--pool-factor", "nan"], "--pool-factor must be a finite number >= 1"),
+                       (["--group-size", "0"], "--group-size must be at least 1"),
+                       (["--group-size", "-1"], "--group-size must be at least 1")]:
+        assert_clean_error(rankserve("train-parse", BUNDLED, out, *PARSE_ARGS, *flags), msg)
+    bad = tmp_path / "corpus.jsonl"
+    bad.write_text('{"text": "Once upon a time"}\n{"txt": "a line without text"}\n')
+    p = rankserve("train-parse", BUNDLED, out, *PARSE_ARGS, "--train-text", bad, "--json")
+    assert_clean_error(p, f'training text {bad} line 2 has no "text" string')
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["corpus.jsonl"]
+
+
+def test_bench_options_reach_the_bench_module():
+    """`rankserve bench X --opt` hands --opt to bench/X.py's argparse (typer used to answer "No such option")."""
+    p = rankserve("bench", "load", "--help")
+    assert p.returncode == 0 and "usage: rankserve bench load" in p.stdout and "--json" in p.stdout, p.stderr
+    p = rankserve("bench", "decode", "--help")
+    assert p.returncode == 0 and "usage: rankserve bench decode" in p.stdout and "--out" in p.stdout, p.stderr
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: bench decode would run the benchmark")
+    p = rankserve("bench", "decode", "--out", "/nonexistent/decode.json", "--batches", "1")
+    assert_clean_error(p, "needs a CUDA GPU")
+
+
+def test_output_paths_checked_before_the_work(tmp_path):
+    (tmp_path / "file").write_text("x")
+    under_file = tmp_path / "file" / "out"
+    assert_clean_error(rankserve("compress", "--method", "svd", BUNDLED, under_file), "file is not a directory")
+    assert_clean_error(rankserve("import", "--family", "hf", BUNDLED, under_file), "file is not a directory")
+    p = rankserve("generate", BUNDLED, "--parse", "--subset-out", tmp_path, "--max-new-tokens", "2")
+    assert_clean_error(p, f"--subset-out {tmp_path} is a directory")
+    p = rankserve("eval", BUNDLED, "--data", HEAD, "--max-tokens", "64", "--markdown", tmp_path)
+    assert_clean_error(p, f"--markdown {tmp_path} is a directory")
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["file"]  # no .tmp files
+
+
+def test_malformed_manifest_and_tokenizer_are_one_line_errors(tmp_path):
+    def clone(name: str) -> Path:
+        d = tmp_path / name
+        subprocess.run(["cp", "-r", str(BUNDLED), str(d)], check=True)
+        return d
+
+    man = json.loads((BUNDLED / "rankserve.json").read_text())
+    for name, patch, msg in [("list", [1], "must hold a JSON object"),
+                             ("groups", {"groups": {"g": [5]}}, "group 'g' must be a list of projection names"),
+                             ("parse", {"methods": {"parse": {"k": 5}}}, "methods.parse.k must map")]:
+        d = clone(name)
+        (d / "rankserve.json").write_text(json.dumps(patch if isinstance(patch, list) else {**man, **patch}))
+        assert_clean_error(rankserve("generate", d, "--max-new-tokens", "2"), msg)
+    d = clone("foreign-tokenizer")  # the reference model's tokenizer.json (12288 tokens) beside a 512-token model
+    (d / "tokenizer.json").write_bytes((ROOT / "models" / "reference" / "tokenizer.json").read_bytes())
+    msg = "the tokenizer has 12288 tokens but the model only 512"
+    assert_clean_error(rankserve("generate", d, "--max-new-tokens", "2"), msg)
+    assert_clean_error(rankserve("eval", d, "--data", HEAD, "--max-tokens", "64"), msg)
+    d = clone("corrupt-tokenizer")
+    (d / "tokenizer.model").write_bytes(b"garbage")
+    assert_clean_error(rankserve("generate", d, "--max-new-tokens", "2"), "is not a readable SentencePiece model")
+
+
+def test_eval_arguments_and_nan_perplexity(tmp_path):
+    assert_clean_error(rankserve("eval", BUNDLED, "--data", HEAD, "--max-tokens", "-5"), "--max-tokens must be >= 0")
+    for n in ("0", "-3"):
+        assert_clean_error(rankserve("eval", BUNDLED, "--data", HEAD, "--reference", BUNDLED, "--greedy-tokens", n),
+                           "--greedy-tokens must be at least 1")
+    nan = tmp_path / "nan"
+    subprocess.run(["cp", "-r", str(BUNDLED), str(nan)], check=True)
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(nan / "model.safetensors"))
+    sd["norm.weight"][:] = float("nan")
+    save_file(sd, str(nan / "model.safetensors"))
+    p = rankserve("eval", nan, "--data", HEAD, "--max-tokens", "64", "--json", "--markdown", tmp_path / "t.md")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))["perplexity"] is None
+    assert "| nan |" in (tmp_path / "t.md").read_text()
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["nan", "t.md"]
+
+
+def test_unusable_device_is_a_one_line_error():
+    assert_clean_error(rankserve("generate", BUNDLED, "--device", "bogus", "--max-new-tokens", "2"),
+                       "--device 'bogus' is not usable here")
+    if not torch.cuda.is_available():
+        assert_clean_error(rankserve("generate", BUNDLED, "--device", "cuda", "--max-new-tokens", "2"),
+                           "--device 'cuda' is not usable here")
+
+
+def test_sigterm_during_a_save_leaves_no_temp_dir(tmp_path):
+    """SIGTERM unwinds like Ctrl-C: the checkpoint's temp dir is removed and the command says "interrupted"."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, "-m", "rankserve.cli", "compress", "--method", "svd", "--keep", "0.6",
+                          ROOT / "models" / "reference", out, "--json"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    while p.poll() is None and not any(f.name.startswith(".out.tmp-") for f in tmp_path.iterdir()):
+        time.sleep(0.0005)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 2 and err.strip().splitlines()[-1] == "error: interrupted", (p.returncode, err)
+    assert not any(f.name.startswith(".out.tmp-") for f in tmp_path.iterdir())
+    assert not out.exists() or (out / "model.safetensors").is_file()  # the signal may land just after the rename

@@ -587,6 +587,41 @@ def test_bad_inputs_are_one_line_errors_without_output(tmp_path):
     _assert_refused(lambda: import_svdllm(good, out), tmp_path, "already exists")
 
 
+def test_unreadable_torch_files_are_not_called_pickles_needing_code(tmp_path):
+    """Only torch's weights-only refusal of a callable means "needs code"; a truncated, empty or garbage file (or
+    one that makes the unpickler allocate without bound) is unreadable, on the trusted path too."""
+    import struct
+
+    from rankserve.compress.safe_load import load_torch_file, load_torch_pickle
+
+    torch.save({"w": torch.zeros(3)}, tmp_path / "good.bin")
+    whole = (tmp_path / "good.bin").read_bytes()
+    files = {"trunc.bin": whole[:len(whole) // 2], "empty.bin": b"", "garbage.bin": b"hello garbage " * 10,
+             "huge.bin": b"\x80\x04\x8e" + struct.pack("<Q", 2 ** 62) + b"x"}  # BINBYTES8 of 4 EiB: MemoryError
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+        for load in (load_torch_file, load_torch_pickle):
+            for trust in (False, True):
+                msg = _assert_refused(lambda: load(tmp_path / name, trust_pickle=trust), tmp_path, name, "not a readable")
+                assert "needs arbitrary" not in msg and "--trust-pickle" not in msg, msg
+    torch.save({"model": _SystemCall(tmp_path / "pwned")}, tmp_path / "evil.bin")
+    _assert_refused(lambda: load_torch_file(tmp_path / "evil.bin"), tmp_path, "needs arbitrary pickled code",
+                    "system", "--trust-pickle")
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_corrupt_safetensors_in_an_hf_dir_is_a_checkpoint_error(tmp_path):
+    from rankserve.compress.import_dense import import_hf
+
+    src = tmp_path / "src"
+    src.mkdir()
+    cfg, kw = _cfg("mha")
+    (src / "config.json").write_text(json.dumps(kw))
+    (src / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
+    _assert_refused(lambda: import_hf(src, tmp_path / "out"), tmp_path, "model.safetensors",
+                    "is not a readable safetensors file")
+
+
 def test_importers_table():
     assert set(IMPORTERS) == {"hf", "llama2c", "svd-llm", "svd-llm-v2", "dobi-svd", "basis-sharing"}
     import inspect

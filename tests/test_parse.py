@@ -320,3 +320,40 @@ def test_static_checkpoint_has_no_routers():
     assert engine.routers is None and engine.rank_subset("Once") is None
     with pytest.raises(ValueError, match="no PARSE rank experts"):
         engine.generate("Once", SamplingParams(max_new_tokens=2), subset={"v": 1, "k": {}})
+
+
+def test_work_dir_is_marked_and_a_foreign_one_refused(tmp_path):
+    """Only a dir carrying the marker is a work dir (to resume in, or delete); a foreign non-empty one is refused."""
+    from rankserve.compress.parse import WORK_MARKER, WorkDirMismatch, is_work_dir
+
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "settings.json").write_text("{}")
+    kw = dict(keep=0.6, calib_text=CALIB, train_text=CALIB, steps=1, kd_steps=0, train=TRAIN, calib_tokens=2048,
+              calib_seq_len=128, progress=False)
+    with pytest.raises(ValueError, match=f"is not a PARSE work dir \\(it has no {WORK_MARKER}\\)"):
+        build_parse_checkpoint(STORIES, tmp_path / "out", work_dir=foreign, **kw)
+    assert sorted(p.name for p in foreign.iterdir()) == ["settings.json"] and not is_work_dir(foreign)
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    (ours / WORK_MARKER).touch()
+    (ours / "settings.json").write_text("{}")
+    with pytest.raises(WorkDirMismatch, match="holds a run with other settings"):
+        build_parse_checkpoint(STORIES, tmp_path / "out", work_dir=ours, **kw)
+    for pool_factor, group_size in [(float("inf"), 2), (float("nan"), 2), (2.0, 0)]:
+        with pytest.raises(ValueError, match="pool_factor must be a finite number|group_size must be at least 1"):
+            build_parse_checkpoint(STORIES, tmp_path / "out", pool_factor=pool_factor, group_size=group_size,
+                                   work_dir=tmp_path / "w", **kw)
+        assert not (tmp_path / "w").exists()  # refused before the work dir is made
+
+
+def test_jsonl_line_without_text_names_file_and_line(tmp_path):
+    from rankserve.compress.parse import sample_windows
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "Once upon a time"}\n\n["not", "an object"]\n')
+    with pytest.raises(ValueError, match=f'{corpus} line 3 has no "text" string'):
+        sample_windows(corpus, Tokenizer.load(STORIES), 4, 16)
+    corpus.write_text('{"text": "Once"}\n{"text": \n')
+    with pytest.raises(ValueError, match=f"{corpus} line 2 is not JSON"):
+        sample_windows(corpus, Tokenizer.load(STORIES), 4, 16)

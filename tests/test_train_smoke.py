@@ -69,3 +69,19 @@ def test_same_seed_same_curve(data_dir, tmp_path):
     b = train(data_dir, tmp_path / "b", t)
     assert [r["train_loss"] for r in a["logs"]] == [r["train_loss"] for r in b["logs"]]
     assert a["logs"][-1]["train_loss"] < a["logs"][0]["train_loss"]  # it learns
+
+
+def test_existing_output_is_refused_before_training(tmp_path, capsys):
+    """A non-empty --out is never written into file by file: refused before any training time is spent."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("train.bin", "test.bin", "val.bin", "tokenizer.json", "manifest.json"):
+        (data / name).write_bytes(b"")  # never read: the output is checked first
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_text("someone else's model")
+    with pytest.raises(SystemExit) as e:
+        main(["--data", str(data), "--out", str(out), *SMOKE])
+    assert e.value.code == 2 and "exists and is not empty" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["model.safetensors"]
+    assert (out / "model.safetensors").read_text() == "someone else's model"

@@ -19,12 +19,13 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from rankserve.workers.config import ModelConfig
@@ -59,14 +60,23 @@ class Manifest:
                     dense_params=self.dense_params, ranks=self.ranks, groups=self.groups, methods=self.methods)
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Manifest":
+    def from_json(cls, d: Any) -> "Manifest":
+        if not isinstance(d, dict):
+            raise CheckpointError(f"rankserve.json must hold a JSON object, not a {type(d).__name__}")
         if d.get("format_version") != FORMAT_VERSION:
             raise CheckpointError(f"rankserve.json format_version {d.get('format_version')!r} is not supported "
                                   f"(this rankserve reads version {FORMAT_VERSION})")
         for k in ("family", "ranks"):
             if k not in d:
                 raise CheckpointError(f"rankserve.json lacks the field {k!r}")
-        return cls(family=d["family"], ranks=dict(d["ranks"]), groups={g: list(m) for g, m in d.get("groups", {}).items()},
+        for k in ("ranks", "groups", "provenance", "methods"):  # the rest of the code walks these as dicts
+            if not isinstance(d.get(k, {}), dict):
+                raise CheckpointError(f"rankserve.json field {k!r} must be an object, not a {type(d[k]).__name__}")
+        groups = d.get("groups", {})
+        for g, members in groups.items():
+            if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
+                raise CheckpointError(f"rankserve.json group {g!r} must be a list of projection names, got {members!r}"[:300])
+        return cls(family=d["family"], ranks=dict(d["ranks"]), groups={g: list(m) for g, m in groups.items()},
                    source=d.get("source", ""), provenance=d.get("provenance", {}), keep=float(d.get("keep", 1.0)),
                    kept_params=int(d.get("kept_params", 0)), dense_params=int(d.get("dense_params", 0)),
                    methods=d.get("methods", {}))
@@ -106,11 +116,27 @@ def model_tensors(model: Transformer) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().cpu() for k, v in out.items()}
 
 
+def check_out_dir(out_dir: str | Path) -> Path:
+    """Refuse an output path that exists or cannot be created, before any long work is done for it."""
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise CheckpointError(f"{out_dir} already exists; choose another output path or remove it first")
+    parent = next((p for p in out_dir.absolute().parents if p.exists()), None)
+    if parent is None or not parent.is_dir():
+        raise CheckpointError(f"cannot create {out_dir}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CheckpointError(f"cannot create {out_dir}: {parent} is not writable")
+    return out_dir
+
+
 def save_checkpoint(out_dir: str | Path, model: Transformer, manifest: Manifest,
                     tokenizer_dir: str | Path | None = None, extra_files: dict[str, bytes] | None = None,
                     dtype: torch.dtype | None = None, overwrite: bool = False,
                     method_tensors: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write a native checkpoint atomically: a temp dir next to `out_dir`, renamed into place when complete."""
+    """Write a native checkpoint atomically: a temp dir next to `out_dir`, renamed into place when complete.
+
+    A write that fails (no space, a file in the way) raises `CheckpointError` and leaves nothing behind.
+    """
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise CheckpointError(f"{out_dir} already exists; choose another output path or remove it first")
@@ -124,8 +150,12 @@ def save_checkpoint(out_dir: str | Path, model: Transformer, manifest: Manifest,
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     for k, v in (method_tensors or {}).items():  # e.g. "parse.layers.0.attn.q.router" -> methods.parse....
         tensors[f"methods.{k}"] = v.detach().contiguous().cpu()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        _sweep_stale(out_dir)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    except OSError as e:
+        raise CheckpointError(f"cannot write {out_dir}: {e}") from None
     try:
         hf = cfg.to_hf()
         hf["torch_dtype"] = str(tensors["embed.weight"].dtype).replace("torch.", "")
@@ -149,10 +179,30 @@ def save_checkpoint(out_dir: str | Path, model: Transformer, manifest: Manifest,
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, out_dir)
+    except (OSError, SafetensorError) as e:  # disk full, a file where a directory goes, ...
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot write {out_dir}: {e}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+STALE_TMP_S = 3600  # a temp dir untouched this long is a killed writer's (a save writes its files in seconds)
+
+
+def _sweep_stale(out_dir: Path) -> None:
+    """Remove temp dirs of earlier saves to `out_dir` that were killed before their cleanup could run."""
+    now, prefix = time.time(), f".{out_dir.name}.tmp-"
+    for p in out_dir.parent.iterdir():
+        if not p.name.startswith(prefix) or p.is_symlink() or not p.is_dir():
+            continue
+        try:  # a live writer touches the file it is writing: the newest mtime inside counts
+            touched = max([p.stat().st_mtime] + [f.stat().st_mtime for f in p.iterdir()])
+        except OSError:  # gone meanwhile, or not ours to read: leave it
+            continue
+        if now - touched > STALE_TMP_S:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def read_config(path: str | Path) -> tuple[ModelConfig, Manifest]:

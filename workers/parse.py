@@ -54,6 +54,7 @@ def load_parse(model_dir: str | Path, model: Transformer) -> Routers | None:
     state = manifest.methods.get("parse")
     if state is None:
         return None
+    _check_state(model_dir, state)
     tensors = read_method_tensors(model_dir, "parse")
     lins = model.projections()
     dev = model.embed.weight.device
@@ -76,6 +77,19 @@ def load_parse(model_dir: str | Path, model: Transformer) -> Routers | None:
             raise CheckpointError(f"{model_dir}: methods.parse.{n}.perm is not a permutation of {r} components")
     return Routers(R=R, b=b, k=dict(state["k"]), r_max=dict(state["r_max"]), head=dict(state.get("head", {})),
                    perm=perm)
+
+
+def _check_state(model_dir: str | Path, state: object) -> None:
+    """The JSON types of manifest.methods["parse"], before anything walks them."""
+    where = f"{model_dir}: rankserve.json methods.parse"
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{where} must be an object, not a {type(state).__name__}")
+    for key in ("k", "r_max", "head"):
+        d = state.get(key, {})
+        if key != "head" and key not in state:
+            raise CheckpointError(f"{where} lacks the field {key!r}")
+        if not isinstance(d, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in d.values()):
+            raise CheckpointError(f"{where}.{key} must map projection names to integers, got {d!r}"[:300])
 
 
 @torch.inference_mode()

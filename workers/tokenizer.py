@@ -17,20 +17,42 @@ class Tokenizer:
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "Tokenizer":
+        """The tokenizer of `model_dir`; refused when it can emit ids the model has no embedding for."""
+        from rankserve.workers.checkpoint import CheckpointError  # the checkpoint module pulls in torch
+
         d = Path(model_dir)
         cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else {}
+        cfg = cfg if isinstance(cfg, dict) else {}
+        tok = cls._read(d, cfg)
+        vocab = cfg.get("vocab_size")
+        if isinstance(vocab, int) and tok.vocab_size > vocab:
+            raise CheckpointError(f"{d}: the tokenizer has {tok.vocab_size} tokens but the model only {vocab} "
+                                  f"(config.json vocab_size); the tokenizer files belong to another model")
+        return tok
+
+    @classmethod
+    def _read(cls, d: Path, cfg: dict) -> "Tokenizer":
+        from rankserve.workers.checkpoint import CheckpointError
+
         eos = cfg.get("eos_token_id")
         eos = eos[0] if isinstance(eos, list) else eos
         if (d / "tokenizer.json").is_file():
             from tokenizers import Tokenizer as HFTokenizer
 
-            tok = HFTokenizer.from_file(str(d / "tokenizer.json"))
+            try:
+                tok = HFTokenizer.from_file(str(d / "tokenizer.json"))
+            except Exception as e:  # tokenizers raises its own untyped Exception for a malformed file
+                raise CheckpointError(f"{d / 'tokenizer.json'} is not a readable tokenizer: {e}") from None
             bos = cfg.get("bos_token_id", tok.token_to_id("<s>"))
             return cls("tokenizers", tok, bos, eos if eos is not None else tok.token_to_id("</s>"), tok.get_vocab_size())
         if (d / "tokenizer.model").is_file():
             import sentencepiece as spm
 
-            sp = spm.SentencePieceProcessor(model_file=str(d / "tokenizer.model"))
+            try:
+                sp = spm.SentencePieceProcessor(model_file=str(d / "tokenizer.model"))
+            except (RuntimeError, OSError) as e:  # "could not parse ModelProto" for a corrupt file
+                msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+                raise CheckpointError(f"{d / 'tokenizer.model'} is not a readable SentencePiece model ({msg})") from None
             bos = sp.bos_id() if sp.bos_id() >= 0 else cfg.get("bos_token_id")
             return cls("sentencepiece", sp, bos, sp.eos_id() if sp.eos_id() >= 0 else eos, sp.get_piece_size())
         raise FileNotFoundError(f"{d} has no tokenizer.json or tokenizer.model")
