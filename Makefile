@@ -18,14 +18,17 @@ $(VENV)/.installed: pyproject.toml
 redis:
 	@bash scripts/ensure_redis.sh
 
+# -P: the repo root stays off sys.path. Its top-level folders (kernels/, workers/, ...) are this package's
+# sources, mapped to rankserve.*; on sys.path, kernels/ would shadow the PyPI `kernels` that transformers >= 5.25
+# imports.
 run: setup redis
-	$(BIN)/python -m rankserve.deployments.demo
+	$(BIN)/python -P -m rankserve.deployments.demo
 
 test: setup redis
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -P -m pytest -q $(PYTEST_ARGS)
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not serve and not slow" $(PYTEST_ARGS)
+	$(BIN)/python -P -m pytest -q -m "not serve and not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info
