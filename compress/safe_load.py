@@ -155,6 +155,15 @@ def _reconstructor(cls, base, state):
     return object.__new__(cls)
 
 
+def _kernel_func(module_name: Any, func_name: Any) -> Stub:
+    # the `kernels` package (imported by transformers >= 5.25) pickles a function it wrapped as an nn.Module (an
+    # activation, say) as this call, which would import `module_name`: an inert stub of that name stands in instead
+    if not (isinstance(module_name, str) and isinstance(func_name, str)):
+        raise _NeedsCode("kernels._internals.layer.layer._rebuild_kernel_func")
+    cls = type(func_name, (Stub,), {"stub_name": f"{module_name}.{func_name}", "__module__": __name__})
+    return object.__new__(cls)
+
+
 def _plain_dict(*args, **kwargs) -> dict:
     return {}  # collections.defaultdict: keep the items (SETITEMS follow), never call the factory
 
@@ -174,6 +183,7 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("builtins", "str"): str, ("builtins", "bytes"): bytes, ("builtins", "bytearray"): bytearray,
     ("builtins", "slice"): slice, ("builtins", "range"): range, ("builtins", "object"): object,
     ("copyreg", "_reconstructor"): _reconstructor,
+    ("kernels._internals.layer.layer", "_rebuild_kernel_func"): _kernel_func,
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
     ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,

@@ -628,3 +628,23 @@ def test_importers_table():
 
     for family, fn in IMPORTERS.items():
         assert "trust_pickle" in inspect.signature(fn).parameters, family
+
+
+def test_kernels_wrapped_function_loads_as_an_inert_stub():
+    """transformers >= 5.25 with the `kernels` package pickles a wrapped activation as a call of
+    `kernels._internals.layer.layer._rebuild_kernel_func(module, name)`, which would import `module`: the
+    restricted unpickler stands an inert stub in for it (here the names ask for os.system; nothing runs)."""
+    import io
+
+    from rankserve.compress.safe_load import Stub, _restricted_load
+
+    def text(s: str) -> bytes:
+        return b"X" + len(s).to_bytes(4, "little") + s.encode()
+
+    data = (b"\x80\x02ckernels._internals.layer.layer\n_rebuild_kernel_func\n" + text("os") + text("system")
+            + b"\x86R}" + text("training") + b"\x89sb.")  # (module, name) REDUCE, then BUILD {"training": False}
+    obj = _restricted_load(io.BytesIO(data))
+    assert isinstance(obj, Stub) and obj.stub_name == "os.system" and obj.__dict__ == {"training": False}
+    bad = b"\x80\x02ckernels._internals.layer.layer\n_rebuild_kernel_func\nK\x01K\x02\x86R."
+    with pytest.raises(pickle.UnpicklingError):
+        _restricted_load(io.BytesIO(bad))
