@@ -617,6 +617,19 @@ def is_work_dir(path: str | Path) -> bool:
     return (Path(path) / WORK_MARKER).is_file()
 
 
+def check_work_dir(path: str | Path) -> None:
+    """Refuse `path` as a work dir unless it is absent, empty or ours (marked): we never mix into or delete
+    someone else's files. Raises a one-line `ValueError` that says what to pass instead."""
+    work = Path(path)
+    if not work.exists() or is_work_dir(work):
+        return
+    if not work.is_dir():
+        raise ValueError(f"work dir {work} is not a directory; pass another work dir")
+    if any(work.iterdir()):
+        raise ValueError(f"work dir {work} is not empty and is not a PARSE work dir (it has no {WORK_MARKER}); "
+                         "pass another work dir")
+
+
 def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
                            keep: float = 0.6,  # fraction of dense decoder-linear parameters the static baseline keeps
                            pool_factor: float = 2.0,  # r_max = min(ceil(pool_factor·K), min(out, in))
@@ -652,9 +665,7 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
                     train_text=train_files, base=base, calib_tokens=calib_tokens, calib_seq_len=calib_seq_len,
                     group_size=group_size, train={k: v for k, v in asdict(train).items() if k != "save_every"})
     settings = json.loads(json.dumps(settings))  # tuples as lists, as read back
-    if work.exists() and not is_work_dir(work) and (not work.is_dir() or any(work.iterdir())):
-        raise ValueError(f"{work} exists and is not a PARSE work dir (it has no {WORK_MARKER}); "
-                         "pass another work_dir")
+    check_work_dir(work)
     work.mkdir(parents=True, exist_ok=True)
     (work / WORK_MARKER).touch()
     if (work / "settings.json").is_file():

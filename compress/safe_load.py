@@ -119,6 +119,11 @@ class Stub:
         return f"<Stub {self.stub_name}>"
 
 
+def _stub_class(module: str, name: str) -> type[Stub]:
+    """A fresh `Stub` subclass standing in for the class (or function) `module.name`, which is never imported."""
+    return type(name, (Stub,), {"stub_name": f"{module}.{name}", "__module__": __name__})
+
+
 class _NeedsCode(pickle.UnpicklingError):
     """The pickle calls something outside the allow-list; `args[0]` names it."""
 
@@ -160,8 +165,7 @@ def _kernel_func(module_name: Any, func_name: Any) -> Stub:
     # activation, say) as this call, which would import `module_name`: an inert stub of that name stands in instead
     if not (isinstance(module_name, str) and isinstance(func_name, str)):
         raise _NeedsCode("kernels._internals.layer.layer._rebuild_kernel_func")
-    cls = type(func_name, (Stub,), {"stub_name": f"{module_name}.{func_name}", "__module__": __name__})
-    return object.__new__(cls)
+    return object.__new__(_stub_class(module_name, func_name))
 
 
 def _plain_dict(*args, **kwargs) -> dict:
@@ -205,7 +209,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
             return _ALLOWED[(module, name)]
         stubs = self.__dict__.setdefault("_stubs", {})
         if (module, name) not in stubs:
-            stubs[(module, name)] = type(name, (Stub,), {"stub_name": f"{module}.{name}", "__module__": __name__})
+            stubs[(module, name)] = _stub_class(module, name)
         return stubs[(module, name)]
 
 

@@ -386,7 +386,7 @@ def train_parse_cmd(
         for label, p in [("calibration", calib_text)] + [("training", t) for t in train_text]:
             _check_text(label, p)
 
-        from rankserve.compress.parse import (WORK_MARKER, TrainConfig, WorkDirMismatch, build_parse_checkpoint,
+        from rankserve.compress.parse import (TrainConfig, WorkDirMismatch, build_parse_checkpoint, check_work_dir,
                                               is_work_dir)
         from rankserve.workers.checkpoint import check_out_dir, read_config
 
@@ -395,11 +395,7 @@ def train_parse_cmd(
         knobs = dict(windows=windows, window=window, prompt_len=prompt_len, batch_size=batch_size, kd_batch=kd_batch,
                      seed=seed)
         train = TrainConfig(**{k: v for k, v in knobs.items() if v is not None})
-        if work.exists() and not work.is_dir():
-            raise ValueError(f"work dir {work} is not a directory; pass another --work-dir")
-        if work.exists() and not is_work_dir(work) and any(work.iterdir()):  # never delete or mix into a foreign dir
-            raise ValueError(f"work dir {work} is not empty and is not a train-parse work dir (it has no {WORK_MARKER}); "
-                             f"pass another --work-dir")
+        check_work_dir(work)  # before --no-resume deletes anything: never delete or mix into a foreign dir
         if is_work_dir(work) and not resume:  # ours, and every input is checked: start over
             shutil.rmtree(work)
         resumed = (work / "settings.json").is_file()

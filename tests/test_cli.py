@@ -253,7 +253,7 @@ def test_train_parse_never_deletes_a_dir_it_did_not_create(tmp_path):
     (precious / "notes.txt").write_text("keep me")
     for dense in (BUNDLED, tmp_path / "nope"):
         p = rankserve("train-parse", dense, tmp_path / "o", *PARSE_ARGS, "--work-dir", precious, "--no-resume")
-        assert_clean_error(p, "is not a directory" if dense != BUNDLED else "is not a train-parse work dir")
+        assert_clean_error(p, "is not a directory" if dense != BUNDLED else "is not a PARSE work dir")
         assert sorted(f.name for f in precious.iterdir()) == ["notes.txt", "settings.json"]
     marked = tmp_path / ".o.parse-work"  # an earlier run's (marked) work dir: --no-resume starts over
     marked.mkdir()

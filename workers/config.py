@@ -7,7 +7,6 @@ We always write the 4.x spelling plus `rope_parameters`, so either transformers 
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -130,35 +129,6 @@ class ModelConfig:
             params.update(self.rope_scaling)
         d["rope_parameters"] = params
         return d
-
-
-def rope_inv_freq(cfg: ModelConfig) -> "list[float]":
-    """Inverse frequencies (D/2,) after any `rope_scaling`, as HF computes them."""
-    d = cfg.head_dim
-    inv = [1.0 / (cfg.rope_theta ** (2 * j / d)) for j in range(d // 2)]
-    sc = cfg.rope_scaling
-    if not sc:
-        return inv
-    kind = sc.get("rope_type", "default")
-    factor = float(sc.get("factor", 1.0))
-    if kind == "linear":
-        return [f / factor for f in inv]
-    if kind == "llama3":  # smooth interpolation between scaled low and unscaled high frequencies
-        low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
-        old_len = float(sc.get("original_max_position_embeddings", 8192))
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        out = []
-        for f in inv:
-            wavelen = 2 * math.pi / f
-            if wavelen < high_wavelen:
-                out.append(f)
-            elif wavelen > low_wavelen:
-                out.append(f / factor)
-            else:
-                smooth = (old_len / wavelen - low) / (high - low)
-                out.append((1 - smooth) * f / factor + smooth * f)
-        return out
-    return inv
 
 
 PRESETS: dict[str, dict[str, Any]] = {

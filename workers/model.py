@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rankserve.workers.config import ModelConfig
+from rankserve.workers.config import ROPE_TYPES, ModelConfig
 from rankserve.workers.kv_cache import KVCache
 
 PROJS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -93,13 +93,13 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     sc = cfg.rope_scaling
     if not sc:
         return inv
-    kind, factor = sc.get("rope_type", "default"), float(sc.get("factor", 1.0))
+    kind, factor = sc.get("rope_type", sc.get("type", "default")), float(sc.get("factor", 1.0))  # "type": legacy
     if kind == "default":
         return inv
     if kind == "linear":
         return inv / factor
     if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported")
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
     # llama3: scale long wavelengths by 1/factor, keep short ones, interpolate in between
     low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
     old_len = float(sc.get("original_max_position_embeddings", 8192))
