@@ -20,6 +20,7 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,13 +151,12 @@ def save_checkpoint(out_dir: str | Path, model: Transformer, manifest: Manifest,
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     for k, v in (method_tensors or {}).items():  # e.g. "parse.layers.0.attn.q.router" -> methods.parse....
         tensors[f"methods.{k}"] = v.detach().contiguous().cpu()
+    # Named before it exists, so an interrupt (Ctrl-C, SIGTERM) landing just after the mkdir finds it to remove.
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:12]}"
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         _sweep_stale(out_dir)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    except OSError as e:
-        raise CheckpointError(f"cannot write {out_dir}: {e}") from None
-    try:
+        tmp.mkdir(mode=0o700)
         hf = cfg.to_hf()
         hf["torch_dtype"] = str(tensors["embed.weight"].dtype).replace("torch.", "")
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
@@ -169,7 +169,7 @@ def save_checkpoint(out_dir: str | Path, model: Transformer, manifest: Manifest,
                     shutil.copyfile(src, tmp / name)
         for name, data in (extra_files or {}).items():
             (tmp / name).write_bytes(data)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is an ordinary readable directory
+        os.chmod(tmp, 0o755)  # private while written; a checkpoint is an ordinary readable directory
         for f in tmp.iterdir():
             os.chmod(f, 0o644)
         if out_dir.exists():  # overwrite: swap the old one out only once the new one is complete
