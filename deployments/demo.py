@@ -1,8 +1,9 @@
-"""`make run`: the whole service on this machine, one HTTP and one gRPC request, both answers printed, clean exit.
+"""`make run`: the whole service on this machine, an HTTP, a gRPC and a chat request, the answers printed, clean exit.
 
 Builds the three local families from the bundled model if missing (`rankserve compress` and `rankserve train-parse`
 into .cache/models/), starts redis-server, a local Ray and Serve with configs/serve.local.yaml, asks each protocol for
-a greedy completion, prints them, and shuts everything down. Set RANKSERVE_API_KEY to try it with auth on.
+a greedy completion, asks the PARSE family for a chat reply (the bundled model has no chat template: a plain
+transcript), prints them, and shuts everything down. Set RANKSERVE_API_KEY to try it with auth on.
 
 Run:  make run      or      .venv/bin/python -m rankserve.deployments.demo [--prompt TEXT] [--max-tokens N]
 """
@@ -57,6 +58,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"      {a.prompt}\033[1m{rep.text}\033[0m")
         print(f"      finish_reason={rep.finish_reason}  usage: prompt {rep.usage.prompt_tokens}, "
               f"completion {rep.usage.completion_tokens}\n")
+        msgs = [{"role": "user", "content": a.prompt}]
+        r = httpx.post(svc.http_url + "/v1/chat/completions", timeout=120,
+                       json={"model": "parse-svd-llm", "messages": msgs, "max_tokens": a.max_tokens, "temperature": 0},
+                       headers={"authorization": f"Bearer {key}"} if key else {})
+        r.raise_for_status()
+        out = r.json()
+        print(f"HTTP  POST /v1/chat/completions  model=parse-svd-llm  (rank cache: "
+              f"{r.headers['x-rankserve-rank-cache']})")
+        print(f"      user: {a.prompt}")
+        print(f"      assistant:\033[1m{out['choices'][0]['message']['content']}\033[0m")
+        print(f"      finish_reason={out['choices'][0]['finish_reason']}  usage={out['usage']}\n")
         print("shutting down ...", flush=True)
     print("done.")
     return 0

@@ -4,7 +4,10 @@ Per request: auth -> parse + validate (schemas.py, shared by both protocols) -> 
 across concurrent requests) -> rank-cache lookup for the family's model version -> the family's Worker, with the
 cached rank subset or none (a miss: the worker's own choice comes back and is written to the cache).
 
-HTTP:  POST /v1/completions (SSE when "stream": true), GET /v1/models, GET /healthz (liveness), GET /readyz
+HTTP:  POST /v1/completions and /v1/chat/completions (SSE when "stream": true), GET /v1/models, GET /healthz
+       (liveness), GET /readyz. A chat request's messages are rendered by the family's chat template (the
+       checkpoint's own, or a plain transcript: workers/chat.py) into a completion request; from there both
+       take the same path.
 gRPC:  Generate, GenerateStream (port from the Serve config's grpc_options)
 Status mapping, both protocols: bad input 400 / INVALID_ARGUMENT, key 401 / UNAUTHENTICATED, deadline 408 /
 DEADLINE_EXCEEDED, queue full or replica lost 503 / UNAVAILABLE; only our own bugs give 500 / INTERNAL.
@@ -28,11 +31,14 @@ from ray.serve.handle import DeploymentHandle
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from rankserve.deployments.auth import ApiKeys
-from rankserve.deployments.schemas import (CompletionRequest, FamilyLimits, RequestError, check_request, chunk_body,
-                                           completion_body, error_body, from_proto, new_id, parse_request, usage)
+from rankserve.deployments.schemas import (ChatRequest, CompletionRequest, FamilyLimits, RequestError,
+                                           chat_chunk_body, chat_completion_body, check_request, chunk_body,
+                                           completion_body, error_body, from_proto, new_id, parse_request, usage,
+                                           usage_chunk_body)
 from rankserve.deployments.worker import LATENCY_BUCKETS
 from rankserve.proto import rankserve_pb2 as pb
 from rankserve.rank_cache import Embedder, Hit, RankCache
+from rankserve.workers.chat import ChatTemplate
 
 log = logging.getLogger("ray.serve")
 # No /openapi.json or /docs: they would answer without the API key; proto/rankserve.proto and the README are the API.
@@ -65,6 +71,7 @@ class Routed:
     hit: Hit | None
     overhead_s: float  # embed + cache lookup
     lookup_s: float  # cache lookup alone
+    chat: bool = False  # came in as a chat request: answered in chat shapes
 
 
 # Helpers sit above the class: @serve.ingress pickles the FastAPI routes by value while the module is still
@@ -110,6 +117,7 @@ class Router:
             self.cache.start([])
         self.versions: dict[str, str] = {}
         self.created: dict[str, int] = {}  # family -> unix time its checkpoint was written (/v1/models)
+        self.templates: dict[str, ChatTemplate] = {}  # family -> its chat template (from its worker)
         self.started = int(time.time())  # /v1/models' `created` until a family's worker has answered
         self._versions_locks = {f: asyncio.Lock() for f in self.limits}  # one family's slow start blocks only it
         self._background: set[asyncio.Task] = set()
@@ -136,11 +144,18 @@ class Router:
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
+        return await self._http(request, chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._http(request, chat=True)
+
+    async def _http(self, request: Request, chat: bool):
         t0 = time.perf_counter()
         family = "-"
         try:
             self._authorize(request.headers.items())
-            routed = await self._route(await request.body())
+            routed = await self._route(await request.body(), chat)
             family = routed.req.model
             headers = {"x-rankserve-rank-cache": "hit" if routed.hit else "miss",
                        "x-rankserve-overhead-ms": f"{routed.overhead_s * 1e3:.3f}",
@@ -156,25 +171,39 @@ class Router:
             return JSONResponse(error_body(f.message, ERROR_TYPE[f.status], f.param), status_code=f.status,
                                 headers={"www-authenticate": "Bearer"} if f.status == 401 else None)
         self._count(family, "http", 200, t0)
-        body = completion_body(new_id(), family, out["text"], out["finish_reason"], out["prompt_tokens"],
-                               out["completion_tokens"])
+        build, prefix = (chat_completion_body, "chatcmpl") if chat else (completion_body, "cmpl")
+        body = build(new_id(prefix), family, out["text"], out["finish_reason"], out["prompt_tokens"],
+                     out["completion_tokens"])
         return JSONResponse(body, headers=headers)
 
     async def _sse(self, routed: Routed, first: dict, events: AsyncIterator[dict], t0: float):
-        """Server-sent events: one chunk per released piece of text, then the finish chunk and [DONE]."""
-        id, family, n_prompt = new_id(), routed.req.model, first["prompt_tokens"]
+        """Server-sent events: one chunk per released piece of text (chat: after a chunk naming the role), then the
+        finish chunk (with the usage), the usage chunk if stream_options asked for it, and [DONE]."""
+        chat, family, n_prompt = routed.chat, routed.req.model, first["prompt_tokens"]
+        id = new_id("chatcmpl" if chat else "cmpl")
         tags = {"family": family, "protocol": "http"}
         first_token, status = True, 200
+
+        def chunk(text: str, finish_reason: str | None = None, usage_: dict | None = None) -> str:
+            if not chat:
+                return _sse_line(chunk_body(id, family, text, finish_reason, usage_))
+            return _sse_line(chat_chunk_body(id, family, {"content": text} if text else {}, finish_reason, usage_))
+
         try:
+            if chat:
+                yield _sse_line(chat_chunk_body(id, family, {"role": "assistant", "content": ""}))
             async for ev in events:
                 if ev["event"] == "token" and ev["text"]:
                     if first_token:
                         self.m_ttft.observe(time.perf_counter() - t0, tags=tags)
                         first_token = False
-                    yield _sse_line(chunk_body(id, family, ev["text"]))
+                    yield chunk(ev["text"])
                 elif ev["event"] == "end":
-                    yield _sse_line(chunk_body(id, family, "", ev["finish_reason"],
-                                               usage(n_prompt, ev["completion_tokens"])))
+                    total = usage(n_prompt, ev["completion_tokens"])
+                    yield chunk("", ev["finish_reason"], total)
+                    if routed.req.include_usage:
+                        obj = "chat.completion.chunk" if chat else "text_completion"
+                        yield _sse_line(usage_chunk_body(id, family, obj, total))
             yield "data: [DONE]\n\n"
         except Failure as f:  # mid-stream: the status line is sent, so report in-band
             status = f.status
@@ -274,14 +303,19 @@ class Router:
             raise Failure(401, "missing or invalid API key: send 'Authorization: Bearer <key>' "
                                "(gRPC: metadata 'authorization')")
 
-    async def _route(self, body: bytes | dict[str, Any]) -> Routed:
-        """Validate (the one validation of both protocols), embed, look up the rank cache."""
+    async def _route(self, body: bytes | dict[str, Any], chat: bool = False) -> Routed:
+        """Validate (the one validation of both protocols), render a chat, embed, look up the rank cache."""
         try:
-            req = parse_request(body)
-            check_request(req, self.limits)
+            req = parse_request(body, ChatRequest if chat else CompletionRequest)
+            limits = check_request(req, self.limits)
         except RequestError as e:
             raise Failure(400, e.message, e.param) from None
         version = await self._version(req.model)
+        if chat:
+            try:
+                req = req.to_completion(self.templates[req.model], limits)
+            except RequestError as e:
+                raise Failure(400, e.message, e.param) from None
         t0 = time.perf_counter()
         vec = await self._embed(req.prompt)
         t1 = time.perf_counter()
@@ -295,7 +329,7 @@ class Router:
         if self.cache is not None:
             self.m_size.set(self.cache.size(req.model, version), tags=tags)
         self._report_redis()
-        return Routed(req, version, vec, hit, t2 - t0, t2 - t1)
+        return Routed(req, version, vec, hit, t2 - t0, t2 - t1, chat)
 
     async def _generate(self, routed: Routed) -> dict[str, Any]:
         req = routed.req
@@ -347,6 +381,7 @@ class Router:
                     if self.cache is not None:
                         await asyncio.to_thread(self.cache.track, family, info["model_version"])
                     self.created[family] = info["created"]
+                    self.templates[family] = ChatTemplate(**info["chat_template"])
                     self.versions[family] = info["model_version"]
         return self.versions[family]
 

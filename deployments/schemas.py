@@ -1,13 +1,15 @@
-"""The one request schema and the one validation behind both HTTP (`POST /v1/completions`) and gRPC (`Generate`).
+"""The request schemas and the one validation behind HTTP (`POST /v1/completions`, `POST /v1/chat/completions`)
+and gRPC (`Generate`).
 
-HTTP bodies and gRPC messages are both turned into a `CompletionRequest` by `parse_request`, then checked against
-the served families by `check_request`; any problem raises `RequestError`, which the router answers with
-400 (HTTP) or INVALID_ARGUMENT (gRPC) and the message, never a 500. The one check this module can't make,
-prompt length in tokens against the context, is made by the worker with the family's tokenizer and reported
+HTTP bodies and gRPC messages are both turned into a `CompletionRequest` by `parse_request` (a chat body into a
+`ChatRequest`, which becomes a `CompletionRequest` once the family's chat template has rendered its messages),
+then checked against the served families by `check_request`; any problem raises `RequestError`, which the router
+answers with 400 (HTTP) or INVALID_ARGUMENT (gRPC) and the message, never a 500. The one check this module can't
+make, prompt length in tokens against the context, is made by the worker with the family's tokenizer and reported
 the same way.
 
-Defaults follow OpenAI's completions API: max_tokens 16, temperature 1.0, top_p 1.0; like OpenAI, JSON null for
-an optional field means its default.
+Defaults follow OpenAI's: max_tokens 16 for completions and the family's limit for chat, temperature 1.0, top_p
+1.0; like OpenAI, JSON null for an optional field means its default.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from rankserve.workers.chat import ROLES, ChatError, ChatTemplate
 from rankserve.workers.sampler import MIN_TEMPERATURE  # the sampler's floor: smaller means greedy (0)
 
 MAX_STOP = 4  # OpenAI's limit on stop strings
@@ -37,14 +40,18 @@ class RequestError(ValueError):
         self.message, self.param = message, param
 
 
-class CompletionRequest(BaseModel):
-    """OpenAI-shaped completion request. Fields OpenAI has and we don't (logprobs, echo, ...) are refused, so a
-    client never silently gets something other than what it asked for."""
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False  # one more chunk before [DONE]: no choices, the request's usage
+
+
+class _Request(BaseModel):
+    """The fields completions and chat completions share (OpenAI's names and defaults)."""
 
     model_config = ConfigDict(extra="forbid", strict=False)
 
     model: str = Field(min_length=1)  # the compression family, e.g. "svd-llm"
-    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     max_tokens: int = Field(16, gt=0)  # the upper bound is per family: check_request
     temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)  # 0 = greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
@@ -52,6 +59,7 @@ class CompletionRequest(BaseModel):
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP)
     stream: bool = False
+    stream_options: StreamOptions | None = None  # only with stream: true, as OpenAI
     n: Literal[1] = 1  # one choice per request
     user: str | None = None  # accepted for OpenAI clients, unused
 
@@ -63,6 +71,12 @@ class CompletionRequest(BaseModel):
             return {k: v for k, v in data.items()
                     if v is not None or k not in cls.model_fields or cls.model_fields[k].is_required()}
         return data
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        return self
 
     @field_validator("temperature")
     @classmethod
@@ -89,14 +103,86 @@ class CompletionRequest(BaseModel):
     @field_validator("max_tokens", "top_k", "seed", mode="before")
     @classmethod
     def _no_float_ints(cls, v: Any) -> Any:
-        if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
-            raise ValueError("must be an integer")
-        return v
+        return _integer(v)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Request):
+    """OpenAI-shaped completion request. Fields OpenAI has and we don't (logprobs, echo, ...) are refused, so a
+    client never silently gets something other than what it asked for."""
+
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
 
     def sampling(self) -> dict[str, Any]:
         """What the worker needs to build `SamplingParams` (a plain dict: it crosses process boundaries)."""
         return dict(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                     top_k=self.top_k, seed=self.seed, stop=tuple(self.stop))
+
+
+class TextPart(BaseModel):
+    """One part of a message's content; only text parts are served (no images or audio)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal[ROLES]  # type: ignore[valid-type]  # no tool messages: tools are not served
+    content: str | list[TextPart] = Field(max_length=MAX_PROMPT_CHARS)
+    name: str | None = None  # accepted for OpenAI clients, unused
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Request):
+    """OpenAI-shaped chat completion request. `max_tokens` (or its newer name `max_completion_tokens`) defaults to
+    the family's limit, as OpenAI's chat API runs to the end of the reply by default."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, gt=0)
+    max_completion_tokens: int | None = Field(None, gt=0)
+
+    @field_validator("max_completion_tokens", mode="before")
+    @classmethod
+    def _no_float_int(cls, v: Any) -> Any:
+        return _integer(v)
+
+    @model_validator(mode="after")
+    def _one_max_tokens(self):
+        a, b = self.max_tokens, self.max_completion_tokens
+        if a is not None and b is not None and a != b:
+            raise ValueError(f"max_tokens ({a}) and max_completion_tokens ({b}) disagree; send one of them")
+        if self.max_tokens is None:
+            self.max_tokens = b
+        return self
+
+    def to_completion(self, template: ChatTemplate, limits: "FamilyLimits") -> CompletionRequest:
+        """Render the conversation with the family's template: the completion request the worker runs. The
+        template's own stop strings come after the client's (they may make the list longer than MAX_STOP)."""
+        try:
+            prompt = template.render([{"role": m.role, "content": m.text} for m in self.messages])
+        except ChatError as e:
+            raise RequestError(f"messages: {e}", "messages") from None
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise RequestError(f"messages: the conversation is longer than {MAX_PROMPT_CHARS} characters", "messages")
+        fields = self.model_dump(exclude={"messages", "max_completion_tokens", "max_tokens", "stop"})
+        req = CompletionRequest(**fields, prompt=prompt, max_tokens=self.max_tokens or limits.max_tokens)
+        return req.model_copy(update={"stop": self.stop + [s for s in template.stop if s not in self.stop]})
+
+
+def _integer(v: Any) -> Any:
+    if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+        raise ValueError("must be an integer")
+    return v
 
 
 @dataclass
@@ -106,8 +192,9 @@ class FamilyLimits:
     max_tokens: int  # upper bound on max_tokens
 
 
-def parse_request(body: bytes | str | dict) -> CompletionRequest:
-    """A JSON body (bytes/str) or an already-decoded dict -> CompletionRequest, or RequestError saying what is wrong."""
+def parse_request(body: bytes | str | dict, kind: type[_Request] = CompletionRequest) -> _Request:
+    """A JSON body (bytes/str) or an already-decoded dict -> `kind` (CompletionRequest or ChatRequest), or
+    RequestError saying what is wrong."""
     if isinstance(body, (bytes, str)):
         try:
             body = json.loads(body)
@@ -121,26 +208,28 @@ def parse_request(body: bytes | str | dict) -> CompletionRequest:
     if not isinstance(body, dict):
         raise RequestError(f"the body must be a JSON object, got {type(body).__name__}")
     try:
-        return CompletionRequest.model_validate(body)
+        return kind.model_validate(body)
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
         param = ".".join(str(p) for p in err["loc"]) or None
         msg = err["msg"]
         if err["type"] == "value_error":  # our own validators' messages, without pydantic's "Value error, "
             msg = str(err["ctx"]["error"])
+        elif err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
+            msg = "unknown field (supported: " + ", ".join(kind.model_fields) + ")"
         elif err["type"] == "extra_forbidden":
-            msg = "unknown field (supported: " + ", ".join(CompletionRequest.model_fields) + ")"
+            msg = "unknown field"
         elif err["type"] == "missing":
             msg = "field required"
         raise RequestError(f"{param}: {msg}" if param else msg, param) from None
 
 
-def check_request(req: CompletionRequest, families: dict[str, FamilyLimits]) -> FamilyLimits:
+def check_request(req: _Request, families: dict[str, FamilyLimits]) -> FamilyLimits:
     """Checks that depend on what is served: the family exists and max_tokens is within its limit."""
     limits = families.get(req.model)
     if limits is None:
         raise RequestError(f"model: unknown model {req.model!r}; served: {', '.join(sorted(families))}", "model")
-    if req.max_tokens > limits.max_tokens:
+    if req.max_tokens is not None and req.max_tokens > limits.max_tokens:
         raise RequestError(f"max_tokens: {req.max_tokens} is above this model's limit of {limits.max_tokens}",
                            "max_tokens")
     return limits
@@ -163,8 +252,8 @@ def from_proto(msg) -> dict[str, Any]:
 
 # ---- responses (OpenAI shapes) ----------------------------------------------------------------------------------
 
-def new_id() -> str:
-    return f"cmpl-{uuid.uuid4().hex[:24]}"
+def new_id(prefix: str = "cmpl") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -187,6 +276,29 @@ def chunk_body(id: str, model: str, text: str, finish_reason: str | None = None,
         body["usage"] = usage_
     return body
 
+
+def chat_completion_body(id: str, model: str, text: str, finish_reason: str, prompt_tokens: int,
+                         completion_tokens: int) -> dict[str, Any]:
+    return {"id": id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish_reason}],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chat_chunk_body(id: str, model: str, delta: dict[str, str], finish_reason: str | None = None,
+                    usage_: dict[str, int] | None = None) -> dict[str, Any]:
+    """A `chat.completion.chunk`: delta {"role": "assistant"} first, then {"content": ...}, then {} + finish_reason."""
+    body = {"id": id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
+
+
+def usage_chunk_body(id: str, model: str, object: str, usage_: dict[str, int]) -> dict[str, Any]:
+    """The extra last chunk of `stream_options: {"include_usage": true}`: no choices, the usage."""
+    return {"id": id, "object": object, "created": int(time.time()), "model": model, "choices": [],
+            "usage": usage_}
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:

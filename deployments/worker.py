@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from rankserve.rank_cache.store import model_version  # the rank-cache namespace, shared with build-rank-cache
+from rankserve.workers.chat import read_chat_template
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 RATE_BUCKETS = [1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000]
@@ -99,6 +101,7 @@ class Worker:
         self.version = self.spec.model_version or model_version(self.spec.model_dir)
         self.created = int((Path(self.spec.model_dir) / "model.safetensors").stat().st_mtime)  # OpenAI's `created`
         self.stop_ids = set(self.engine.eos)
+        self.chat_template = read_chat_template(self.spec.model_dir)  # rendered by the router (chat requests)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{family}")
         self._lock = asyncio.Lock()  # FIFO: one generation at a time
         self._waiting = 0
@@ -131,7 +134,8 @@ class Worker:
 
     def info(self) -> dict[str, Any]:
         return dict(family=self.family, model_version=self.version, max_seq_len=self.engine.max_seq_len,
-                    max_tokens=self.spec.max_tokens, created=self.created)
+                    max_tokens=self.spec.max_tokens, created=self.created,
+                    chat_template=dataclasses.asdict(self.chat_template))
 
     # ---- the two request paths --------------------------------------------------------------------------------
 

@@ -51,7 +51,7 @@ class FakeWorker:
         if self.state == "stuck":
             await asyncio.sleep(3600)
         return dict(family=self.family, model_version=f"{self.family}-v1", max_seq_len=512, max_tokens=64,
-                    created=CREATED)
+                    created=CREATED, chat_template=dict(source=None, bos_token="", eos_token=""))
 
 
 def make_router(families=("svd-llm", "basis-sharing")):
@@ -61,7 +61,7 @@ def make_router(families=("svd-llm", "basis-sharing")):
     r.workers = {f: FakeWorker(f) for f in families}
     r.limits = {f: FamilyLimits(max_tokens=64) for f in families}
     r.keys, r.cache, r.ready_timeout_s = ApiKeys(), None, 5.0
-    r.versions, r.created, r.started = {}, {}, int(time.time())
+    r.versions, r.created, r.templates, r.started = {}, {}, {}, int(time.time())
     r._versions_locks = {f: asyncio.Lock() for f in families}
     return r
 

@@ -1,7 +1,8 @@
 """The service end to end on CPU: real Ray Serve (configs/serve.local.yaml, ports moved to free ones), a real
 redis-server, real HTTP and gRPC over sockets, the three families built from the bundled model (two static, one PARSE).
 
-Checks: HTTP, SSE, gRPC Generate and GenerateStream give `rankserve generate`'s greedy text; a similar prompt hits
+Checks: HTTP, SSE, gRPC Generate and GenerateStream give `rankserve generate`'s greedy text; a chat request
+gives the completion of its rendered conversation; a similar prompt hits
 the rank cache (visible in /metrics); the PARSE family runs its routers on a miss only, with the CLI's text for both
 the routed and the cached subset; bad input is 400 / INVALID_ARGUMENT with a message; JSON null means the default;
 a missing or wrong key is 401 / UNAUTHENTICATED, one valid key among the headers passes; a client that goes away
@@ -157,6 +158,43 @@ def test_every_path_gives_the_cli_greedy_text(service, stub, family):
     assert "".join(c.text for c in chunks) == ref["text"]
     assert chunks[-1].finish_reason == ref["finish_reason"]
     assert chunks[-1].usage.completion_tokens == len(ref["token_ids"])
+
+
+def test_chat_completions_answer_the_rendered_conversation(service):
+    """A chat request is the completion of its rendered conversation (the bundled model has no template: the plain
+    transcript, with the next user turn as a stop string), in chat shapes, streamed or not."""
+    from rankserve.workers.chat import ChatTemplate
+
+    msgs = [{"role": "system", "content": "You tell short stories."}, {"role": "user", "content": PROMPT}]
+    ref = post(service, {"model": "svd-llm", "prompt": ChatTemplate().render(msgs), "max_tokens": N,
+                         "temperature": 0, "stop": list(ChatTemplate().stop)}).json()
+    body = {"model": "svd-llm", "messages": msgs, "max_tokens": N, "temperature": 0}
+    url = service.http_url + "/v1/chat/completions"
+
+    r = httpx.post(url, json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
+    assert out["choices"][0]["message"] == {"role": "assistant", "content": ref["choices"][0]["text"]}
+    assert out["choices"][0]["finish_reason"] == ref["choices"][0]["finish_reason"]
+    assert out["usage"] == ref["usage"]
+
+    with httpx.stream("POST", url, json={**body, "stream": True, "stream_options": {"include_usage": True}},
+                      headers=AUTH, timeout=60) as s:
+        assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
+        lines = [l for l in s.iter_lines() if l]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(l[len("data: "):]) for l in lines[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[1:-1]) == ref["choices"][0]["text"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == ref["choices"][0]["finish_reason"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == ref["usage"]  # include_usage: OpenAI's last chunk
+
+    bad = httpx.post(url, json={"model": "svd-llm", "messages": [{"role": "tool", "content": "x"}]}, headers=AUTH,
+                     timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages.0.role"
+    assert httpx.post(url, json=body, timeout=60).status_code == 401
 
 
 def test_models_and_health(service):

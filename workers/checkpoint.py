@@ -34,7 +34,7 @@ from rankserve.workers.model import PROJS, Transformer, _group_key, proj_name
 
 FORMAT_VERSION = 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.bin", "generation_config.json")
+                   "tokenizer.bin", "generation_config.json", "chat_template.jinja")
 NON_TENSOR_FILES = ("LICENSE", "LICENSE.txt", "README.md", "NOTICE")
 
 
