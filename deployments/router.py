@@ -32,9 +32,9 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 from rankserve.deployments.auth import ApiKeys
 from rankserve.deployments.schemas import (ChatRequest, CompletionRequest, FamilyLimits, RequestError,
-                                           chat_chunk_body, chat_completion_body, check_request, chunk_body,
-                                           completion_body, error_body, from_proto, new_id, parse_request, usage,
-                                           usage_chunk_body)
+                                           chat_chunk_body, chat_completion_body, chat_logprobs, check_request,
+                                           chunk_body, completion_body, completion_logprobs, error_body, from_proto,
+                                           new_id, parse_request, usage, usage_chunk_body)
 from rankserve.deployments.worker import LATENCY_BUCKETS
 from rankserve.proto import rankserve_pb2 as pb
 from rankserve.rank_cache import Embedder, Hit, RankCache
@@ -172,28 +172,46 @@ class Router:
                                 headers={"www-authenticate": "Bearer"} if f.status == 401 else None)
         self._count(family, "http", 200, t0)
         build, prefix = (chat_completion_body, "chatcmpl") if chat else (completion_body, "cmpl")
+        lp = None
+        if routed.req.logprobs is not None:
+            lp = chat_logprobs(out["logprobs"]) if chat else completion_logprobs(out["logprobs"])
         body = build(new_id(prefix), family, out["text"], out["finish_reason"], out["prompt_tokens"],
-                     out["completion_tokens"])
+                     out["completion_tokens"], lp)
         return JSONResponse(body, headers=headers)
 
     async def _sse(self, routed: Routed, first: dict, events: AsyncIterator[dict], t0: float):
         """Server-sent events: one chunk per released piece of text (chat: after a chunk naming the role), then the
-        finish chunk (with the usage), the usage chunk if stream_options asked for it, and [DONE]."""
+        finish chunk (with the usage), the usage chunk if stream_options asked for it, and [DONE]. With logprobs,
+        each chunk carries the entries of the tokens since the previous one (a token held back for a possible stop
+        string goes out with the text that releases it)."""
         chat, family, n_prompt = routed.chat, routed.req.model, first["prompt_tokens"]
         id = new_id("chatcmpl" if chat else "cmpl")
         tags = {"family": family, "protocol": "http"}
         first_token, status = True, 200
+        pending: list[dict] = []  # logprob entries not sent yet
+        offset = 0  # completion characters the sent entries cover (text_offset)
 
         def chunk(text: str, finish_reason: str | None = None, usage_: dict | None = None) -> str:
+            nonlocal offset
+            lp = None
+            if routed.req.logprobs is not None:
+                lp = chat_logprobs(pending) if chat else completion_logprobs(pending, offset)
+                offset += sum(len(e["token"]) for e in pending)
+                pending.clear()
             if not chat:
-                return _sse_line(chunk_body(id, family, text, finish_reason, usage_))
-            return _sse_line(chat_chunk_body(id, family, {"content": text} if text else {}, finish_reason, usage_))
+                return _sse_line(chunk_body(id, family, text, finish_reason, usage_, lp))
+            return _sse_line(chat_chunk_body(id, family, {"content": text} if text else {}, finish_reason, usage_,
+                                             lp))
 
         try:
             if chat:
                 yield _sse_line(chat_chunk_body(id, family, {"role": "assistant", "content": ""}))
             async for ev in events:
-                if ev["event"] == "token" and ev["text"]:
+                if ev["event"] == "token":
+                    if "logprob" in ev:
+                        pending.append(ev["logprob"])
+                    if not ev["text"]:
+                        continue
                     if first_token:
                         self.m_ttft.observe(time.perf_counter() - t0, tags=tags)
                         first_token = False

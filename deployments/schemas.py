@@ -14,6 +14,7 @@ Defaults follow OpenAI's: max_tokens 16 for completions and the family's limit f
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
@@ -25,7 +26,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rankserve.workers.chat import ROLES, ChatError, ChatTemplate
-from rankserve.workers.sampler import MIN_TEMPERATURE  # the sampler's floor: smaller means greedy (0)
+from rankserve.workers.sampler import MAX_LOGPROBS, MIN_TEMPERATURE  # MIN: smaller means greedy (0)
 
 MAX_STOP = 4  # OpenAI's limit on stop strings
 MAX_PROMPT_CHARS = 1_000_000  # refuse absurd bodies before tokenizing them; the token limit is the real bound
@@ -115,11 +116,17 @@ class CompletionRequest(_Request):
     client never silently gets something other than what it asked for."""
 
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each token's and the n most likely tokens' logprobs
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _no_float_n(cls, v: Any) -> Any:
+        return _integer(v)
 
     def sampling(self) -> dict[str, Any]:
         """What the worker needs to build `SamplingParams` (a plain dict: it crosses process boundaries)."""
         return dict(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                    top_k=self.top_k, seed=self.seed, stop=tuple(self.stop))
+                    top_k=self.top_k, seed=self.seed, stop=tuple(self.stop), logprobs=self.logprobs)
 
 
 class TextPart(BaseModel):
@@ -150,11 +157,19 @@ class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, gt=0)
     max_completion_tokens: int | None = Field(None, gt=0)
+    logprobs: bool = False  # each content token's logprob
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and the n most likely tokens' (needs logprobs)
 
-    @field_validator("max_completion_tokens", mode="before")
+    @field_validator("max_completion_tokens", "top_logprobs", mode="before")
     @classmethod
     def _no_float_int(cls, v: Any) -> Any:
         return _integer(v)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     @model_validator(mode="after")
     def _one_max_tokens(self):
@@ -174,8 +189,10 @@ class ChatRequest(_Request):
             raise RequestError(f"messages: {e}", "messages") from None
         if len(prompt) > MAX_PROMPT_CHARS:
             raise RequestError(f"messages: the conversation is longer than {MAX_PROMPT_CHARS} characters", "messages")
-        fields = self.model_dump(exclude={"messages", "max_completion_tokens", "max_tokens", "stop"})
-        req = CompletionRequest(**fields, prompt=prompt, max_tokens=self.max_tokens or limits.max_tokens)
+        fields = self.model_dump(exclude={"messages", "max_completion_tokens", "max_tokens", "stop", "logprobs",
+                                          "top_logprobs"})
+        req = CompletionRequest(**fields, prompt=prompt, max_tokens=self.max_tokens or limits.max_tokens,
+                                logprobs=(self.top_logprobs or 0) if self.logprobs else None)
         return req.model_copy(update={"stop": self.stop + [s for s in template.stop if s not in self.stop]})
 
 
@@ -261,35 +278,53 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
                 total_tokens=prompt_tokens + completion_tokens)
 
 
+def completion_logprobs(entries: list[dict], offset: int = 0) -> dict[str, list]:
+    """The worker's per-token entries ({"token", "logprob", "top"}) -> a completion choice's `logprobs`;
+    `offset`: characters of the completion before these tokens (text_offset counts from the completion's start)."""
+    tokens = [e["token"] for e in entries]
+    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t: lp for t, lp in e["top"]} for e in entries],
+            "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))[:len(tokens)]}
+
+
+def chat_logprobs(entries: list[dict]) -> dict[str, list]:
+    """The worker's per-token entries -> a chat choice's `logprobs` ({"content": [...]}, OpenAI's shape)."""
+    def one(token: str, lp: float) -> dict[str, Any]:
+        return {"token": token, "logprob": lp, "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [{**one(e["token"], e["logprob"]), "top_logprobs": [one(t, lp) for t, lp in e["top"]]}
+                        for e in entries]}
+
+
 def completion_body(id: str, model: str, text: str, finish_reason: str, prompt_tokens: int,
-                    completion_tokens: int) -> dict[str, Any]:
+                    completion_tokens: int, logprobs: dict | None = None) -> dict[str, Any]:
     return {"id": id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}],
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def chunk_body(id: str, model: str, text: str, finish_reason: str | None = None,
-               usage_: dict[str, int] | None = None) -> dict[str, Any]:
+               usage_: dict[str, int] | None = None, logprobs: dict | None = None) -> dict[str, Any]:
     body = {"id": id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if usage_ is not None:
         body["usage"] = usage_
     return body
 
 
 def chat_completion_body(id: str, model: str, text: str, finish_reason: str, prompt_tokens: int,
-                         completion_tokens: int) -> dict[str, Any]:
+                         completion_tokens: int, logprobs: dict | None = None) -> dict[str, Any]:
     return {"id": id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                          "finish_reason": finish_reason}],
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def chat_chunk_body(id: str, model: str, delta: dict[str, str], finish_reason: str | None = None,
-                    usage_: dict[str, int] | None = None) -> dict[str, Any]:
+                    usage_: dict[str, int] | None = None, logprobs: dict | None = None) -> dict[str, Any]:
     """A `chat.completion.chunk`: delta {"role": "assistant"} first, then {"content": ...}, then {} + finish_reason."""
     body = {"id": id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if usage_ is not None:
         body["usage"] = usage_
     return body

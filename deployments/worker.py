@@ -7,7 +7,8 @@ one dedicated thread, one decode step per hop, so the event loop stays free betw
 
 Both calls produce the same events (plain dicts, they cross process boundaries):
     {"event": "start", "prompt_tokens", "subset", "cached"}   or   {"event": "error", "status", "message", "param"}
-    {"event": "token", "token_id", "text"}                       one per generated token; text may be ""
+    {"event": "token", "token_id", "text"[, "logprob"]}          one per generated token; text may be "";
+                                                                 "logprob" when asked for (not on a stop token)
     {"event": "end", "finish_reason", "completion_tokens"}       "stop" | "length" | "timeout" (request_timeout_s)
 `stream` yields them; `generate` returns them folded into one result.
 """
@@ -73,6 +74,7 @@ def fold(events: list[dict]) -> dict[str, Any]:
     tokens = [e for e in events if e["event"] == "token"]
     return dict(event="result", text="".join(e["text"] for e in tokens),
                 token_ids=[e["token_id"] for e in tokens][: end["completion_tokens"]],
+                logprobs=[e["logprob"] for e in tokens if "logprob" in e],  # empty unless asked for
                 prompt_tokens=start["prompt_tokens"], completion_tokens=end["completion_tokens"],
                 finish_reason=end["finish_reason"], subset=start["subset"], cached=start["cached"])
 
@@ -217,9 +219,12 @@ class Worker:
                     t_first = time.monotonic()
                     self.m_ttft.observe(t_first - t0, tags=tags)
                 finish = ev.finish_reason
-                if not (finish == "stop" and ev.token_id in self.stop_ids | set(params.stop_token_ids)):
-                    n += 1  # a stop token ends the text but is not part of it
-                yield dict(event="token", token_id=ev.token_id, text=ev.text)
+                counted = not (finish == "stop" and ev.token_id in self.stop_ids | set(params.stop_token_ids))
+                n += counted  # a stop token ends the text but is not part of it
+                token = dict(event="token", token_id=ev.token_id, text=ev.text)
+                if ev.logprob is not None and counted:
+                    token["logprob"] = dataclasses.asdict(ev.logprob)  # {"token", "logprob", "top": [(text, lp)]}
+                yield token
             if t_first is not None and n > 1:
                 self.m_rate.observe((n - 1) / max(time.monotonic() - t_first, 1e-9), tags=tags)
             outcome = finish

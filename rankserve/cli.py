@@ -241,6 +241,8 @@ def generate_cmd(
                                                "subset (JSON, as --subset-out writes it and the rank cache stores it)"),
     subset_out: Optional[Path] = typer.Option(None, "--subset-out", help="with --parse or --subset: write the whole "
                                               "subset used to this file (JSON)"),
+    logprobs: Optional[int] = typer.Option(None, "--logprobs", help="with --json: each token's log-probability "
+                                           "and the N most likely tokens at its step (0-20)"),
     device: str = typer.Option("cpu", "--device"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on CUDA)"),
     as_json: bool = typer.Option(False, "--json"),
@@ -255,6 +257,8 @@ def generate_cmd(
         _fail("--parse and --subset exclude each other: route the prompt, or replay a stored subset")
     if subset_out is not None and not (parse or subset_file is not None):
         _fail("--subset-out needs --parse or --subset")
+    if logprobs is not None and not as_json:
+        _fail("--logprobs needs --json (the log-probabilities are a field of the JSON output)")
 
     def body():
         from rankserve.workers.engine import Engine
@@ -262,7 +266,7 @@ def generate_cmd(
         from rankserve.workers.sampler import SamplingParams
 
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                seed=seed, stop=tuple(stop))
+                                seed=seed, stop=tuple(stop), logprobs=logprobs)
         if subset_out is not None:
             _check_out_file("--subset-out", subset_out)
         engine = Engine.load(model, device=_device(device), dtype=_dtype(dtype))
@@ -275,6 +279,8 @@ def generate_cmd(
         r = engine.generate(prompt, params, subset=subset)
         out = {"text": r.text, "token_ids": r.token_ids, "num_prompt_tokens": r.num_prompt_tokens,
                "finish_reason": r.finish_reason}
+        if r.logprobs is not None:
+            out["logprobs"] = [{"token": l.token, "logprob": l.logprob, "top": l.top} for l in r.logprobs]
         if subset is not None:
             out["subset"] = {"digest": digest(subset), "k": {n: len(idx) for n, idx in subset["k"].items()}}
             if subset_out is not None:

@@ -145,3 +145,35 @@ def test_a_saved_checkpoint_keeps_its_template(tmp_path):
     (src / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
     out = save_checkpoint(tmp_path / "out", tiny_model(4), Manifest(family="test", ranks={}), tokenizer_dir=src)
     assert read_chat_template(out) == ChatTemplate(LLAMA2, "<s>", "</s>")
+
+
+def test_logprobs_fields():
+    t, lim = ChatTemplate(), FAMILIES["svd-llm"]
+    assert chat(logprobs=True, top_logprobs=3).to_completion(t, lim).logprobs == 3
+    assert chat(logprobs=True).to_completion(t, lim).logprobs == 0
+    assert chat().to_completion(t, lim).logprobs is None
+    for body, words in [({"top_logprobs": 2}, "needs logprobs"), ({"logprobs": True, "top_logprobs": 21}, "20"),
+                        ({"logprobs": True, "top_logprobs": 1.5}, "integer")]:
+        with pytest.raises(RequestError, match=words):
+            chat(**body)
+    ok = {"model": "svd-llm", "prompt": "x"}
+    assert parse_request({**ok, "logprobs": 5}).sampling()["logprobs"] == 5
+    assert parse_request(ok).sampling()["logprobs"] is None
+    for bad in (-1, 21, 2.5, True):
+        with pytest.raises(RequestError, match="logprobs"):
+            parse_request({**ok, "logprobs": bad})
+
+
+def test_logprobs_shapes():
+    from rankserve.deployments.schemas import chat_logprobs, completion_logprobs
+
+    entries = [{"token": "Hi", "logprob": -0.5, "top": [("Hi", -0.5), ("Yo", -1.5)]},
+               {"token": " é", "logprob": -2.0, "top": [(" é", -2.0), (" a", -2.5)]}]
+    c = completion_logprobs(entries, offset=4)
+    assert c == {"tokens": ["Hi", " é"], "token_logprobs": [-0.5, -2.0],
+                 "top_logprobs": [{"Hi": -0.5, "Yo": -1.5}, {" é": -2.0, " a": -2.5}], "text_offset": [4, 6]}
+    (first, second) = chat_logprobs(entries)["content"]
+    assert first == {"token": "Hi", "logprob": -0.5, "bytes": [72, 105],
+                     "top_logprobs": [{"token": "Hi", "logprob": -0.5, "bytes": [72, 105]},
+                                      {"token": "Yo", "logprob": -1.5, "bytes": [89, 111]}]}
+    assert second["bytes"] == [32, 0xC3, 0xA9]  # UTF-8 bytes, as OpenAI gives them

@@ -155,3 +155,32 @@ def test_fast_path_gives_the_eager_tokens():
     assert sorted(fast._decoders) == [(1, 256), (2, 256), (3, 256)]  # one decoder per (batch size, cache bucket)
     # packed weights shared per layout (the torch backend has one: no fused norms)
     assert all(d.layers is fast._packed[False] for d in fast._decoders.values())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logprobs_are_the_models_own(engine, temperature):
+    """Each token's logprob and its step's top-n equal log_softmax of a teacher-forced forward of the whole sequence
+    (fp64 reference), whatever the temperature; the tokens' texts add up to the text."""
+    prompt = "Once upon a time"
+    sp = SamplingParams(max_new_tokens=12, temperature=temperature, seed=1, logprobs=3)
+    r = engine.generate(prompt, sp)
+    assert r.logprobs is not None and len(r.logprobs) == len(r.token_ids) == 12
+    assert "".join(l.token for l in r.logprobs) == r.text
+
+    ids = engine.encode_prompt(prompt, sp) + r.token_ids
+    with torch.no_grad():
+        logits = engine.model(torch.tensor([ids]))[0].double()  # (S, V)
+    ref = torch.log_softmax(logits, -1)[len(ids) - 13:-1]  # the steps that chose each generated token
+    got = torch.tensor([l.logprob for l in r.logprobs], dtype=torch.float64)
+    want = ref[torch.arange(12), torch.tensor(r.token_ids)]
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    for step, l in enumerate(r.logprobs):
+        top = torch.topk(ref[step], 3)
+        assert torch.allclose(torch.tensor([v for _, v in l.top], dtype=torch.float64), top.values, atol=1e-4)
+        assert [t.strip() for t, _ in l.top] == [engine.tokenizer.decode([i]).strip() for i in top.indices.tolist()]
+    if temperature == 0:  # greedy: the chosen token is the most likely one
+        assert all(l.token == l.top[0][0] and l.logprob == l.top[0][1] for l in r.logprobs)
+
+    events = list(engine.stream(prompt, sp))
+    assert [e.logprob for e in events] == r.logprobs  # same seed, same tokens, same entries
+    assert engine.generate(prompt, SamplingParams(max_new_tokens=4)).logprobs is None  # not asked: none

@@ -20,7 +20,8 @@ def test_defaults_are_openai_s():
     r = parse_request(json.dumps(OK).encode())
     assert (r.max_tokens, r.temperature, r.top_p, r.top_k, r.seed, r.stop, r.stream) == (16, 1.0, 1.0, 0, None, [], False)
     check_request(r, FAMILIES)
-    assert r.sampling() == dict(max_new_tokens=16, temperature=1.0, top_p=1.0, top_k=0, seed=None, stop=())
+    assert r.sampling() == dict(max_new_tokens=16, temperature=1.0, top_p=1.0, top_k=0, seed=None, stop=(),
+                               logprobs=None)
 
 
 def test_stop_string_or_list():
@@ -49,7 +50,8 @@ def test_stop_string_or_list():
     ({**OK, "stop": ["a", ""]}, "stop", "non-empty"),
     ({**OK, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
     ({**OK, "n": 2}, "n", "1"),
-    ({**OK, "logprobs": 3}, "logprobs", "unknown field"),
+    ({**OK, "logprobs": 21}, "logprobs", "less than or equal to 20"),
+    ({**OK, "echo": True}, "echo", "unknown field"),
     ({**OK, "stream": "maybe"}, "stream", "boolean"),
 ])
 def test_bad_bodies(body, param, words):

@@ -2,7 +2,7 @@
 redis-server, real HTTP and gRPC over sockets, the three families built from the bundled model (two static, one PARSE).
 
 Checks: HTTP, SSE, gRPC Generate and GenerateStream give `rankserve generate`'s greedy text; a chat request
-gives the completion of its rendered conversation; a similar prompt hits
+gives the completion of its rendered conversation; logprobs are the CLI's; a similar prompt hits
 the rank cache (visible in /metrics); the PARSE family runs its routers on a miss only, with the CLI's text for both
 the routed and the cached subset; bad input is 400 / INVALID_ARGUMENT with a message; JSON null means the default;
 a missing or wrong key is 401 / UNAUTHENTICATED, one valid key among the headers passes; a client that goes away
@@ -195,6 +195,36 @@ def test_chat_completions_answer_the_rendered_conversation(service):
                      timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages.0.role"
     assert httpx.post(url, json=body, timeout=60).status_code == 401
+
+
+def test_logprobs_are_the_clis(service):
+    """logprobs through HTTP (plain, streamed, chat) are `rankserve generate --logprobs`'s for the same tokens."""
+    model_dir = service.app["args"]["families"]["svd-llm"]["model_dir"]
+    ref = cli_generate(model_dir, PROMPT, 8, "--logprobs", "2")["logprobs"]
+    body = {"model": "svd-llm", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 2}
+
+    r = post(service, body)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == [e["token"] for e in ref]
+    assert lp["token_logprobs"] == pytest.approx([e["logprob"] for e in ref], abs=1e-5)
+    assert [list(d) for d in lp["top_logprobs"]] == [[t for t, _ in e["top"]] for e in ref]
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][1] == len(ref[0]["token"])
+
+    _, chunks = sse(service, body)  # each chunk carries its tokens' entries; together they are the whole list
+    streamed = [c["choices"][0]["logprobs"] for c in chunks]
+    assert sum((s["tokens"] for s in streamed), []) == lp["tokens"]
+    assert sum((s["text_offset"] for s in streamed), []) == lp["text_offset"]
+
+    msgs = [{"role": "user", "content": PROMPT}]
+    c = httpx.post(service.http_url + "/v1/chat/completions", headers=AUTH, timeout=60,
+                   json={"model": "svd-llm", "messages": msgs, "max_tokens": 8, "temperature": 0, "logprobs": True,
+                         "top_logprobs": 2}).json()
+    content = c["choices"][0]["logprobs"]["content"]
+    assert len(content) == c["usage"]["completion_tokens"]
+    assert "".join(e["token"] for e in content).startswith(c["choices"][0]["message"]["content"])
+    assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["logprob"] >= e["logprob"] - 1e-6
+               for e in content)
 
 
 def test_models_and_health(service):

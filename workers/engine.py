@@ -27,11 +27,22 @@ from rankserve.workers.tokenizer import Tokenizer
 
 
 @dataclass
+class TokenLogprob:
+    """What `SamplingParams.logprobs` asks for, per generated token. Log-probabilities are the model's own (its
+    logits before temperature, top-k or top-p), so they don't depend on how the token was drawn."""
+
+    token: str  # the token's text after the tokens before it (a SentencePiece leading space survives)
+    logprob: float
+    top: list[tuple[str, float]]  # the `logprobs` most likely tokens at this step, most likely first
+
+
+@dataclass
 class GenerationResult:
     text: str
     token_ids: list[int]
     num_prompt_tokens: int
     finish_reason: str  # "stop" | "length"
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
 
 
 @dataclass
@@ -39,6 +50,7 @@ class StreamEvent:
     token_id: int
     text: str  # new text since the previous event (may be empty while a stop string is undecided)
     finish_reason: str | None = None
+    logprob: TokenLogprob | None = None  # when asked for (a stop token has one too, though not part of the text)
 
 
 class _Row:
@@ -53,6 +65,7 @@ class _Row:
         self.finish: str | None = None
         self.context = prompt_ids[-4:]  # decoded with the new tokens so a leading space survives (SentencePiece)
         self.context_text: str | None = None
+        self.logprobs: list[TokenLogprob] = []  # one per token pushed (stop tokens included), when asked for
 
     def push(self, token: int, tok: Tokenizer, last: bool = False) -> str:
         """Append a token; return the newly releasable text and set `finish` when the row is done (`last`: the
@@ -84,6 +97,21 @@ class _Row:
             self.context_text = tok.decode(self.context)
         full = tok.decode(self.context + self.ids)
         return full[len(self.context_text):] if full.startswith(self.context_text) else tok.decode(self.ids)
+
+    def logprob(self, logits: torch.Tensor, token: int, tok: Tokenizer) -> None:
+        """Record `token`'s log-probability and the step's most likely tokens (before `push(token)`)."""
+        lp = torch.log_softmax(logits.float(), dim=-1)  # (V,)
+        top = torch.topk(lp, self.params.logprobs) if self.params.logprobs else None
+        ids = top.indices.tolist() if top is not None else []
+        vals = top.values.tolist() if top is not None else []
+        ctx = (self.context + self.ids)[-4:]  # each token's text is read after the tokens before it
+        before = tok.decode(ctx)
+
+        def text(t: int) -> str:
+            full = tok.decode(ctx + [t])
+            return full[len(before):] if full.startswith(before) else tok.decode([t])
+
+        self.logprobs.append(TokenLogprob(text(token), float(lp[token]), [(text(i), v) for i, v in zip(ids, vals)]))
 
     def _release(self, text: str) -> str:
         delta = text[len(self.released):] if text.startswith(self.released) else ""
@@ -169,14 +197,15 @@ class Engine:
         for g in groups:
             for _ in self._decode([rows[i] for i in g], subset, None if routed is None else [routed[i] for i in g]):
                 pass
-        return [GenerationResult(r.released, r.ids, len(r.prompt_ids), r.finish or "length") for r in rows]
+        return [GenerationResult(r.released, r.ids, len(r.prompt_ids), r.finish or "length",
+                                 r.logprobs[:len(r.ids)] if r.params.logprobs is not None else None) for r in rows]
 
     def stream(self, prompt: str, params: SamplingParams | None = None, subset: dict | None = None) -> Iterator[StreamEvent]:
         """Yield one event per generated token; closing the generator cancels the request."""
         row = _Row(self.encode_prompt(prompt, params or SamplingParams()), params or SamplingParams(), self.eos)
         for step in self._decode([row], subset):
             token, delta = step[0]
-            yield StreamEvent(token, delta, row.finish)
+            yield StreamEvent(token, delta, row.finish, row.logprobs[-1] if row.params.logprobs is not None else None)
 
     def _fast_decoder(self, B: int, S: int, subsets: list[dict] | None = None) -> FastDecoder | None:
         """The thin decode path for (B, S), built once per batch size and cache-length bucket; None = eager."""
@@ -267,6 +296,8 @@ class Engine:
                     t = chosen[b]
                 else:
                     t = sample(logits[b], r.params, r.gen)
+                if r.params.logprobs is not None:
+                    r.logprob(logits[b], t, self.tokenizer)
                 pos[b] += 1
                 step.append((t, r.push(t, self.tokenizer, last=pos[b] >= S_max)))  # last: out of context
             yield step

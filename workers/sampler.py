@@ -8,6 +8,7 @@ import torch
 
 
 MIN_TEMPERATURE = 1e-5  # below it logits / T overflow towards inf for no purpose: such requests mean greedy (0)
+MAX_LOGPROBS = 20  # most likely alternatives reported per token (OpenAI's chat limit)
 
 
 @dataclass
@@ -20,6 +21,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings; the text is cut before the first one
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS
     ignore_eos: bool = False
+    logprobs: int | None = None  # None = off; n = each token's log-probability and the n most likely at its step
 
     def __post_init__(self) -> None:
         self.stop = tuple(self.stop)
@@ -34,6 +36,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     def generator(self) -> torch.Generator:
         g = torch.Generator()
