@@ -189,14 +189,11 @@ class Router:
         tags = {"family": family, "protocol": "http"}
         first_token, status = True, 200
         pending: list[dict] = []  # logprob entries not sent yet
-        offset = 0  # completion characters the sent entries cover (text_offset)
 
         def chunk(text: str, finish_reason: str | None = None, usage_: dict | None = None) -> str:
-            nonlocal offset
             lp = None
             if routed.req.logprobs is not None:
-                lp = chat_logprobs(pending) if chat else completion_logprobs(pending, offset)
-                offset += sum(len(e["token"]) for e in pending)
+                lp = chat_logprobs(pending) if chat else completion_logprobs(pending)
                 pending.clear()
             if not chat:
                 return _sse_line(chunk_body(id, family, text, finish_reason, usage_, lp))
@@ -208,8 +205,7 @@ class Router:
                 yield _sse_line(chat_chunk_body(id, family, {"role": "assistant", "content": ""}))
             async for ev in events:
                 if ev["event"] == "token":
-                    if "logprob" in ev:
-                        pending.append(ev["logprob"])
+                    pending.extend(ev.get("logprobs", ()))
                     if not ev["text"]:
                         continue
                     if first_token:
@@ -217,8 +213,8 @@ class Router:
                         first_token = False
                     yield chunk(ev["text"])
                 elif ev["event"] == "end":
-                    total = usage(n_prompt, ev["completion_tokens"])
-                    yield chunk("", ev["finish_reason"], total)
+                    total = usage(n_prompt, ev["completion_tokens"])  # on the finish chunk, or (as OpenAI
+                    yield chunk("", ev["finish_reason"], None if routed.req.include_usage else total)  # asked) after
                     if routed.req.include_usage:
                         obj = "chat.completion.chunk" if chat else "text_completion"
                         yield _sse_line(usage_chunk_body(id, family, obj, total))
@@ -335,7 +331,9 @@ class Router:
             except RequestError as e:
                 raise Failure(400, e.message, e.param) from None
         t0 = time.perf_counter()
-        vec = await self._embed(req.prompt)
+        # the embedder reads a prompt's start; a chat's start is often the same system prompt and history, and
+        # what sets this request apart is its last turn: the rendered conversation's tail is its key
+        vec = await self._embed(req.prompt[-self.embedder.max_chars:] if chat else req.prompt)
         t1 = time.perf_counter()
         hit = self.cache.lookup(req.model, version, vec) if self.cache else None
         t2 = time.perf_counter()
@@ -399,7 +397,7 @@ class Router:
                     if self.cache is not None:
                         await asyncio.to_thread(self.cache.track, family, info["model_version"])
                     self.created[family] = info["created"]
-                    self.templates[family] = ChatTemplate(**info["chat_template"])
+                    self.templates[family] = ChatTemplate(**info.get("chat_template", {}))  # {}: an older worker
                     self.versions[family] = info["model_version"]
         return self.versions[family]
 

@@ -14,7 +14,6 @@ Defaults follow OpenAI's: max_tokens 16 for completions and the family's limit f
 
 from __future__ import annotations
 
-import itertools
 import json
 import sys
 import time
@@ -172,6 +171,12 @@ class ChatRequest(_Request):
         return self
 
     @model_validator(mode="after")
+    def _not_too_long(self):
+        if sum(len(m.text) for m in self.messages) > MAX_PROMPT_CHARS:  # before rendering it
+            raise ValueError(f"the conversation is longer than {MAX_PROMPT_CHARS} characters")
+        return self
+
+    @model_validator(mode="after")
     def _one_max_tokens(self):
         a, b = self.max_tokens, self.max_completion_tokens
         if a is not None and b is not None and a != b:
@@ -189,6 +194,9 @@ class ChatRequest(_Request):
             raise RequestError(f"messages: {e}", "messages") from None
         if len(prompt) > MAX_PROMPT_CHARS:
             raise RequestError(f"messages: the conversation is longer than {MAX_PROMPT_CHARS} characters", "messages")
+        if not prompt:
+            raise RequestError("messages: the chat template rendered an empty prompt for this conversation",
+                               "messages")
         fields = self.model_dump(exclude={"messages", "max_completion_tokens", "max_tokens", "stop", "logprobs",
                                           "top_logprobs"})
         req = CompletionRequest(**fields, prompt=prompt, max_tokens=self.max_tokens or limits.max_tokens,
@@ -278,21 +286,20 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
                 total_tokens=prompt_tokens + completion_tokens)
 
 
-def completion_logprobs(entries: list[dict], offset: int = 0) -> dict[str, list]:
-    """The worker's per-token entries ({"token", "logprob", "top"}) -> a completion choice's `logprobs`;
-    `offset`: characters of the completion before these tokens (text_offset counts from the completion's start)."""
-    tokens = [e["token"] for e in entries]
-    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t: lp for t, lp in e["top"]} for e in entries],
-            "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))[:len(tokens)]}
+def completion_logprobs(entries: list[dict]) -> dict[str, list]:
+    """The worker's per-token entries ({"token", "logprob", "bytes", "offset", "top"}) -> a completion choice's
+    `logprobs` (text_offset counts from the completion's start)."""
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t: lp for t, lp, _ in e["top"]} for e in entries],
+            "text_offset": [e["offset"] for e in entries]}
 
 
 def chat_logprobs(entries: list[dict]) -> dict[str, list]:
     """The worker's per-token entries -> a chat choice's `logprobs` ({"content": [...]}, OpenAI's shape)."""
-    def one(token: str, lp: float) -> dict[str, Any]:
-        return {"token": token, "logprob": lp, "bytes": list(token.encode("utf-8"))}
+    def one(token: str, lp: float, b: list[int]) -> dict[str, Any]:
+        return {"token": token, "logprob": lp, "bytes": list(b)}
 
-    return {"content": [{**one(e["token"], e["logprob"]), "top_logprobs": [one(t, lp) for t, lp in e["top"]]}
+    return {"content": [{**one(e["token"], e["logprob"], e["bytes"]), "top_logprobs": [one(*t) for t in e["top"]]}
                         for e in entries]}
 
 

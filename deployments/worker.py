@@ -7,8 +7,9 @@ one dedicated thread, one decode step per hop, so the event loop stays free betw
 
 Both calls produce the same events (plain dicts, they cross process boundaries):
     {"event": "start", "prompt_tokens", "subset", "cached"}   or   {"event": "error", "status", "message", "param"}
-    {"event": "token", "token_id", "text"[, "logprob"]}          one per generated token; text may be "";
-                                                                 "logprob" when asked for (not on a stop token)
+    {"event": "token", "token_id", "text"[, "logprobs"]}         one per generated token; text may be "";
+                                                                 "logprobs": the entries of the tokens whose
+                                                                 text it releases, when asked for
     {"event": "end", "finish_reason", "completion_tokens"}       "stop" | "length" | "timeout" (request_timeout_s)
 `stream` yields them; `generate` returns them folded into one result.
 """
@@ -16,6 +17,7 @@ Both calls produce the same events (plain dicts, they cross process boundaries):
 from __future__ import annotations
 
 import asyncio
+import logging
 import contextlib
 import dataclasses
 import time
@@ -30,6 +32,7 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 from rankserve.rank_cache.store import model_version  # the rank-cache namespace, shared with build-rank-cache
 from rankserve.workers.chat import read_chat_template
 
+log = logging.getLogger("ray.serve")
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 RATE_BUCKETS = [1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000]
 
@@ -74,7 +77,7 @@ def fold(events: list[dict]) -> dict[str, Any]:
     tokens = [e for e in events if e["event"] == "token"]
     return dict(event="result", text="".join(e["text"] for e in tokens),
                 token_ids=[e["token_id"] for e in tokens][: end["completion_tokens"]],
-                logprobs=[e["logprob"] for e in tokens if "logprob" in e],  # empty unless asked for
+                logprobs=[l for e in tokens for l in e.get("logprobs", ())],  # empty unless asked for
                 prompt_tokens=start["prompt_tokens"], completion_tokens=end["completion_tokens"],
                 finish_reason=end["finish_reason"], subset=start["subset"], cached=start["cached"])
 
@@ -104,6 +107,8 @@ class Worker:
         self.created = int((Path(self.spec.model_dir) / "model.safetensors").stat().st_mtime)  # OpenAI's `created`
         self.stop_ids = set(self.engine.eos)
         self.chat_template = read_chat_template(self.spec.model_dir)  # rendered by the router (chat requests)
+        if self.chat_template.error:
+            log.warning("%s: chat requests will be refused: %s", family, self.chat_template.error)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{family}")
         self._lock = asyncio.Lock()  # FIFO: one generation at a time
         self._waiting = 0
@@ -219,11 +224,11 @@ class Worker:
                     t_first = time.monotonic()
                     self.m_ttft.observe(t_first - t0, tags=tags)
                 finish = ev.finish_reason
-                counted = not (finish == "stop" and ev.token_id in self.stop_ids | set(params.stop_token_ids))
-                n += counted  # a stop token ends the text but is not part of it
+                if not (finish == "stop" and ev.token_id in self.stop_ids | set(params.stop_token_ids)):
+                    n += 1  # a stop token ends the text but is not part of it
                 token = dict(event="token", token_id=ev.token_id, text=ev.text)
-                if ev.logprob is not None and counted:
-                    token["logprob"] = dataclasses.asdict(ev.logprob)  # {"token", "logprob", "top": [(text, lp)]}
+                if ev.logprobs:  # {"token", "logprob", "bytes", "offset", "top": [(text, logprob, bytes)]}
+                    token["logprobs"] = [dataclasses.asdict(l) for l in ev.logprobs]
                 yield token
             if t_first is not None and n > 1:
                 self.m_rate.observe((n - 1) / max(time.monotonic() - t_first, 1e-9), tags=tags)

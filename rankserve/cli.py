@@ -5,6 +5,7 @@ Errors a user can fix (bad paths, shapes, ranges) print one line on stderr and e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -280,7 +281,7 @@ def generate_cmd(
         out = {"text": r.text, "token_ids": r.token_ids, "num_prompt_tokens": r.num_prompt_tokens,
                "finish_reason": r.finish_reason}
         if r.logprobs is not None:
-            out["logprobs"] = [{"token": l.token, "logprob": l.logprob, "top": l.top} for l in r.logprobs]
+            out["logprobs"] = [dataclasses.asdict(l) for l in r.logprobs]  # top: [text, logprob, bytes]
         if subset is not None:
             out["subset"] = {"digest": digest(subset), "k": {n: len(idx) for n, idx in subset["k"].items()}}
             if subset_out is not None:

@@ -44,14 +44,14 @@ def test_checkpoint_template_renders_as_transformers_does(tmp_path):
         {"chat_template": LLAMA2, "bos_token": {"content": "<s>", "lstrip": False}, "eos_token": "</s>"}))
     t = read_chat_template(tmp_path)
     assert (t.bos_token, t.eos_token, t.stop) == ("<s>", "</s>", ())
-    ours = t.render(MESSAGES)
-    assert ours == "<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST] Hello. </s><s>[INST] Tell a story. [/INST]"
+    ours = t.render(MESSAGES)  # the leading BOS is the engine's to add (as a token, not as the text "<s>")
+    assert ours == "[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST] Hello. </s><s>[INST] Tell a story. [/INST]"
 
     from transformers.utils.chat_template_utils import render_jinja_template  # transformers' own renderer
 
     theirs, _ = render_jinja_template(conversations=[MESSAGES], chat_template=LLAMA2, add_generation_prompt=True,
                                       bos_token="<s>", eos_token="</s>")
-    assert ours == theirs[0]
+    assert "<s>" + ours == theirs[0]
 
 
 def test_template_file_wins_and_named_templates(tmp_path):
@@ -73,12 +73,27 @@ def test_template_errors(tmp_path):
     with pytest.raises(ChatError, match="role"):
         ChatTemplate().render([{"role": "tool", "content": "x"}])
 
+    with pytest.raises(ChatError, match="ZeroDivisionError"):  # any failure of the template's own code: a 400
+        ChatTemplate("{{ 1 // (messages | length - 1) }}").render(MESSAGES[1:2])
+
+    # the checkpoint's fault: found at load; chat is refused with the reason, the model still serves completions
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for m in messages %}"}))
-    with pytest.raises(CheckpointError, match="does not compile"):  # the checkpoint's fault: refused at load
-        read_chat_template(tmp_path)
+    broken = read_chat_template(tmp_path)
+    assert "does not compile" in broken.error
+    with pytest.raises(ChatError, match="unusable .*does not compile"):
+        broken.render(MESSAGES)
     (tmp_path / "tokenizer_config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="not valid JSON"):
         read_chat_template(tmp_path)
+
+
+def test_what_transformers_templates_use():
+    """Loop controls, `{% generation %}` blocks, tojson's keywords, the developer role read as system."""
+    t = ChatTemplate("{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+                     "{% generation %}{{ m.role }}={{ m.content | tojson(ensure_ascii=False, sort_keys=True) }};"
+                     "{% endgeneration %}{% endfor %}")
+    assert t.render([{"role": "developer", "content": "é"}, {"role": "user", "content": "b"},
+                     {"role": "user", "content": "c"}]) == 'system="é";user="b";'
 
 
 def chat(**kw) -> ChatRequest:
@@ -113,6 +128,15 @@ def test_chat_request_becomes_a_completion():
 def test_bad_chat_bodies(body, words):
     with pytest.raises(RequestError, match=words):
         chat(**body)
+
+
+def test_huge_or_empty_conversations():
+    big = "x" * 600_000
+    with pytest.raises(RequestError, match="longer than"):  # refused before anything is rendered
+        chat(messages=[{"role": "user", "content": big}, {"role": "user", "content": big}])
+    empty = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")
+    with pytest.raises(RequestError, match="empty prompt"):
+        chat(messages=[{"role": "user", "content": ""}]).to_completion(empty, FAMILIES["svd-llm"])
 
 
 def test_chat_over_the_limit_and_template_refusal():
@@ -167,13 +191,14 @@ def test_logprobs_fields():
 def test_logprobs_shapes():
     from rankserve.deployments.schemas import chat_logprobs, completion_logprobs
 
-    entries = [{"token": "Hi", "logprob": -0.5, "top": [("Hi", -0.5), ("Yo", -1.5)]},
-               {"token": " é", "logprob": -2.0, "top": [(" é", -2.0), (" a", -2.5)]}]
-    c = completion_logprobs(entries, offset=4)
-    assert c == {"tokens": ["Hi", " é"], "token_logprobs": [-0.5, -2.0],
-                 "top_logprobs": [{"Hi": -0.5, "Yo": -1.5}, {" é": -2.0, " a": -2.5}], "text_offset": [4, 6]}
+    entries = [{"token": "Hi", "logprob": -0.5, "bytes": [72, 105], "offset": 0,
+                "top": [("Hi", -0.5, [72, 105]), ("Yo", -1.5, [89, 111])]},
+               {"token": "\ufffd", "logprob": -2.0, "bytes": [0xC3], "offset": 2, "top": [("\ufffd", -2.0, [0xC3])]}]
+    c = completion_logprobs(entries)
+    assert c == {"tokens": ["Hi", "\ufffd"], "token_logprobs": [-0.5, -2.0],
+                 "top_logprobs": [{"Hi": -0.5, "Yo": -1.5}, {"\ufffd": -2.0}], "text_offset": [0, 2]}
     (first, second) = chat_logprobs(entries)["content"]
     assert first == {"token": "Hi", "logprob": -0.5, "bytes": [72, 105],
                      "top_logprobs": [{"token": "Hi", "logprob": -0.5, "bytes": [72, 105]},
                                       {"token": "Yo", "logprob": -1.5, "bytes": [89, 111]}]}
-    assert second["bytes"] == [32, 0xC3, 0xA9]  # UTF-8 bytes, as OpenAI gives them
+    assert second["bytes"] == [0xC3]  # half of "é": the token's own byte, as OpenAI gives it

@@ -176,11 +176,47 @@ def test_logprobs_are_the_models_own(engine, temperature):
     assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
     for step, l in enumerate(r.logprobs):
         top = torch.topk(ref[step], 3)
-        assert torch.allclose(torch.tensor([v for _, v in l.top], dtype=torch.float64), top.values, atol=1e-4)
-        assert [t.strip() for t, _ in l.top] == [engine.tokenizer.decode([i]).strip() for i in top.indices.tolist()]
+        assert torch.allclose(torch.tensor([v for _, v, _ in l.top], dtype=torch.float64), top.values, atol=1e-4)
+        assert [t.strip() for t, _, _ in l.top] == [engine.tokenizer.decode([i]).strip() for i in top.indices.tolist()]
     if temperature == 0:  # greedy: the chosen token is the most likely one
         assert all(l.token == l.top[0][0] and l.logprob == l.top[0][1] for l in r.logprobs)
 
+    assert [l.offset for l in r.logprobs] == [len("".join(x.token for x in r.logprobs[:i])) for i in range(12)]
+    assert all(bytes(l.bytes).decode() == l.token.lstrip() or bytes(l.bytes).decode() == l.token
+               for l in r.logprobs)
     events = list(engine.stream(prompt, sp))
-    assert [e.logprob for e in events] == r.logprobs  # same seed, same tokens, same entries
+    assert [l for e in events for l in e.logprobs] == r.logprobs  # same seed, same tokens, same entries
     assert engine.generate(prompt, SamplingParams(max_new_tokens=4)).logprobs is None  # not asked: none
+
+
+def test_logprobs_end_where_the_text_ends(engine):
+    """Tokens cut off by a stop string, and a stop token, write no text: they get no entry. Streamed, an entry comes
+    with the event that releases its token's text."""
+    free = engine.generate("Once upon a time", SamplingParams(max_new_tokens=8, logprobs=1))
+    assert free.text == ", there was a little girl"
+    sp = SamplingParams(max_new_tokens=8, logprobs=1, stop=("s a ",))  # cuts " was" after "wa"
+    r = engine.generate("Once upon a time", sp)
+    assert r.text == ", there wa" and [l.token for l in r.logprobs] == [",", " there", " was"]
+    events = list(engine.stream("Once upon a time", sp))
+    assert [(e.text, [l.token for l in e.logprobs]) for e in events] == [
+        (",", [","]), (" there", [" there"]), (" wa", [" was"]), ("", []), ("", [])]
+
+    eos = engine.generate("", SamplingParams(max_new_tokens=5)).token_ids[2]
+    r = engine.generate("", SamplingParams(max_new_tokens=5, stop_token_ids=(eos,), logprobs=0))
+    assert r.finish_reason == "stop" and len(r.logprobs) == len(r.token_ids) == 2
+
+
+def test_generation_config_eos_ends_a_reply(tmp_path):
+    """A chat model's end-of-turn id, listed in generation_config.json only, stops generation like EOS."""
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(BUNDLED, d)
+    first = Engine.load(d).generate("", SamplingParams(max_new_tokens=5)).token_ids
+    (d / "generation_config.json").write_text(f'{{"eos_token_id": [2, {first[3]}]}}')
+    e = Engine.load(d)
+    assert first[3] in e.eos and 2 in e.eos
+    r = e.generate("", SamplingParams(max_new_tokens=5))
+    assert r.finish_reason == "stop" and r.token_ids == first[:3]
+    (d / "generation_config.json").write_text("[1, 2]")  # not an object: ignored
+    assert first[3] not in Engine.load(d).eos

@@ -8,6 +8,7 @@ request (rank reuse; `workers/parse.py`).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -26,6 +27,9 @@ from rankserve.workers.sampler import SamplingParams, sample
 from rankserve.workers.tokenizer import Tokenizer
 
 
+LOGPROB_FLOOR = -9999.0  # what a -inf (or NaN) log-probability is reported as: JSON has no infinities
+
+
 @dataclass
 class TokenLogprob:
     """What `SamplingParams.logprobs` asks for, per generated token. Log-probabilities are the model's own (its
@@ -33,7 +37,9 @@ class TokenLogprob:
 
     token: str  # the token's text after the tokens before it (a SentencePiece leading space survives)
     logprob: float
-    top: list[tuple[str, float]]  # the `logprobs` most likely tokens at this step, most likely first
+    bytes: list[int]  # the token's own bytes (exact where its text is part of a UTF-8 character)
+    offset: int  # where its text starts in the generated text
+    top: list[tuple[str, float, list[int]]]  # the `logprobs` most likely tokens: (text, logprob, bytes), best first
 
 
 @dataclass
@@ -42,7 +48,8 @@ class GenerationResult:
     token_ids: list[int]
     num_prompt_tokens: int
     finish_reason: str  # "stop" | "length"
-    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
+    logprobs: list[TokenLogprob] | None = None  # when asked for: the tokens that wrote `text` (not a stop token,
+                                                # nor those of a stop string past the cut)
 
 
 @dataclass
@@ -50,7 +57,8 @@ class StreamEvent:
     token_id: int
     text: str  # new text since the previous event (may be empty while a stop string is undecided)
     finish_reason: str | None = None
-    logprob: TokenLogprob | None = None  # when asked for (a stop token has one too, though not part of the text)
+    logprobs: list[TokenLogprob] | None = None  # when asked for: the entries of the tokens whose text this event
+                                                # releases (a token held back for a stop string comes later)
 
 
 class _Row:
@@ -66,6 +74,8 @@ class _Row:
         self.context = prompt_ids[-4:]  # decoded with the new tokens so a leading space survives (SentencePiece)
         self.context_text: str | None = None
         self.logprobs: list[TokenLogprob] = []  # one per token pushed (stop tokens included), when asked for
+        self.logprobs_sent = 0  # entries handed out by `new_logprobs`
+        self.cut = False  # ended on a stop string (the text was cut)
 
     def push(self, token: int, tok: Tokenizer, last: bool = False) -> str:
         """Append a token; return the newly releasable text and set `finish` when the row is done (`last`: the
@@ -79,7 +89,7 @@ class _Row:
         for s in self.params.stop:
             at = text.find(s)
             if at >= 0:
-                self.finish, text = "stop", text[:at]
+                self.finish, text, self.cut = "stop", text[:at], True
         if self.finish is None and (last or len(self.ids) >= self.params.max_new_tokens):
             self.finish = "length"
         if self.finish is None:
@@ -111,12 +121,43 @@ class _Row:
             full = tok.decode(ctx + [t])
             return full[len(before):] if full.startswith(before) else tok.decode([t])
 
-        self.logprobs.append(TokenLogprob(text(token), float(lp[token]), [(text(i), v) for i, v in zip(ids, vals)]))
+        def one(t: int, v: float) -> tuple[str, float, list[int]]:
+            return text(t), v if v > LOGPROB_FLOOR else LOGPROB_FLOOR, list(tok.token_bytes(t))  # NaN -> floor too
+
+        t_text, v, b = one(token, float(lp[token]))
+        self.logprobs.append(TokenLogprob(t_text, v, b, len(self._text(tok)), [one(i, x) for i, x in zip(ids, vals)]))
+
+    def released_logprobs(self) -> list[TokenLogprob]:
+        """The entries of the tokens whose text is out: while running, those starting before the released text's
+        end; once done, every token's but a stop token's, or up to a stop string's cut."""
+        n = len(self.ids)  # a stop token's entry (the last one) is never counted: it writes no text
+        if self.finish is None or self.cut:
+            end = len(self.released)
+            n = sum(1 for l in self.logprobs[:n] if l.offset < end)
+        return self.logprobs[:n]
+
+    def new_logprobs(self) -> list[TokenLogprob]:
+        """Entries released since the previous call."""
+        out = self.released_logprobs()[self.logprobs_sent:]
+        self.logprobs_sent += len(out)
+        return out
 
     def _release(self, text: str) -> str:
         delta = text[len(self.released):] if text.startswith(self.released) else ""
         self.released = text if text.startswith(self.released) else self.released
         return delta
+
+
+def generation_eos(model_dir: str | Path) -> tuple[int, ...]:
+    """EOS ids of the checkpoint's generation_config.json: chat models list their end-of-turn token there (Llama 3's
+    <|eot_id|>, Qwen's <|im_end|>) while config.json names only the end of text."""
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id") if path.is_file() else None
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):  # not a JSON object: ignored, as HF would fail
+        return ()
+    eos = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+    return tuple(int(i) for i in eos if isinstance(i, int) and not isinstance(i, bool))
 
 
 class Engine:
@@ -128,7 +169,8 @@ class Engine:
                  # PARSE, generate_batch: route each batch together (workers/parse_batching.select_together): on the
                  # reference model 0.2 cut a batch of 8's union from 1.18 K to 1.02 K and lowered perplexity
                  # (477 -> 472; parse-log.md); 0 = every request its own routers' top-K
-                 parse_pull: float = 0.2) -> None:
+                 parse_pull: float = 0.2,
+                 extra_eos: tuple[int, ...] = ()) -> None:  # more ids that end a reply (generation_config.json's)
         if parse_pull < 0:
             raise ValueError(f"parse_pull must be >= 0, got {parse_pull}")
         self.model, self.tokenizer, self.manifest = model, tokenizer, manifest
@@ -138,6 +180,7 @@ class Engine:
         self.max_seq_len = min(max_seq_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
         self.device = model.embed.weight.device
         self.eos = self.cfg.eos_ids or ((tokenizer.eos_id,) if tokenizer.eos_id is not None else ())
+        self.eos = tuple(dict.fromkeys(self.eos + tuple(extra_eos)))
         if fast_path not in ("auto", "off", "torch", "triton"):
             raise ValueError(f"fast_path must be 'auto', 'off', 'torch' or 'triton', got {fast_path!r}")
         self.fast_path = fast_path
@@ -156,7 +199,8 @@ class Engine:
         if model.embed.weight.device.type == "cuda":
             pad_ranks(model, GPU_ALIGN)  # exact; aligned rows for cuBLAS and Triton (workers/align.py)
         return cls(model, Tokenizer.load(model_dir), manifest, max_batch_size, max_seq_len, fast_path,
-                   routers=routers, reroute_every=reroute_every, parse_pull=parse_pull)
+                   routers=routers, reroute_every=reroute_every, parse_pull=parse_pull,
+                   extra_eos=generation_eos(model_dir))
 
     # --- public API ------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str, params: SamplingParams) -> list[int]:
@@ -198,14 +242,14 @@ class Engine:
             for _ in self._decode([rows[i] for i in g], subset, None if routed is None else [routed[i] for i in g]):
                 pass
         return [GenerationResult(r.released, r.ids, len(r.prompt_ids), r.finish or "length",
-                                 r.logprobs[:len(r.ids)] if r.params.logprobs is not None else None) for r in rows]
+                                 r.released_logprobs() if r.params.logprobs is not None else None) for r in rows]
 
     def stream(self, prompt: str, params: SamplingParams | None = None, subset: dict | None = None) -> Iterator[StreamEvent]:
         """Yield one event per generated token; closing the generator cancels the request."""
         row = _Row(self.encode_prompt(prompt, params or SamplingParams()), params or SamplingParams(), self.eos)
         for step in self._decode([row], subset):
             token, delta = step[0]
-            yield StreamEvent(token, delta, row.finish, row.logprobs[-1] if row.params.logprobs is not None else None)
+            yield StreamEvent(token, delta, row.finish, row.new_logprobs() if row.params.logprobs is not None else None)
 
     def _fast_decoder(self, B: int, S: int, subsets: list[dict] | None = None) -> FastDecoder | None:
         """The thin decode path for (B, S), built once per batch size and cache-length bucket; None = eager."""

@@ -64,9 +64,46 @@ class Tokenizer:
             ids = self._impl.encode(text)
         return ([self.bos_id] if bos and self.bos_id is not None else []) + list(ids)
 
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token `i` stands for (b"" for BOS/EOS and other control tokens): what OpenAI's logprobs call
+        `bytes`, exact where the text of one token is only part of a UTF-8 character."""
+        i = int(i)
+        if i in (self.bos_id, self.eos_id) or not 0 <= i < self.vocab_size:
+            return b""
+        if self.backend == "sentencepiece":
+            sp = self._impl
+            if sp.is_control(i) or sp.is_unknown(i):
+                return b""
+            piece = sp.id_to_piece(i)
+            return bytes([int(piece[3:5], 16)]) if sp.is_byte(i) else piece.replace("\u2581", " ").encode()
+        piece = self._impl.id_to_token(i)
+        if piece is None:
+            return b""
+        if type(self._impl.decoder).__name__ == "ByteLevel":  # GPT-2 style: one printable char per byte
+            return bytes(_BYTE_OF_CHAR.get(c, 0) for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # byte fallback (LLaMA's BPE)
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
+
     def decode(self, ids: list[int]) -> str:
         special = {self.bos_id, self.eos_id}
         ids = [int(i) for i in ids if i not in special]
         if self.backend == "tokenizers":
             return self._impl.decode(ids, skip_special_tokens=True)
         return self._impl.decode(ids)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE writes byte b as a printable character: itself for printable Latin-1, else chr(256 + n)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
