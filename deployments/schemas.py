@@ -43,7 +43,7 @@ class RequestError(ValueError):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    include_usage: bool = False  # one more chunk before [DONE]: no choices, the request's usage
+    include_usage: bool | None = False  # one more chunk before [DONE]: no choices, the request's usage; null = no
 
 
 class _Request(BaseModel):
@@ -107,7 +107,7 @@ class _Request(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
 
 
 class CompletionRequest(_Request):

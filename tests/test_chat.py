@@ -183,6 +183,8 @@ def test_logprobs_fields():
     ok = {"model": "svd-llm", "prompt": "x"}
     assert parse_request({**ok, "logprobs": 5}).sampling()["logprobs"] == 5
     assert parse_request(ok).sampling()["logprobs"] is None
+    assert not parse_request({**ok, "stream": True, "stream_options": {"include_usage": None}}).include_usage
+    assert parse_request({**ok, "stream": True, "stream_options": {"include_usage": True}}).include_usage
     for bad in (-1, 21, 2.5, True):
         with pytest.raises(RequestError, match="logprobs"):
             parse_request({**ok, "logprobs": bad})
