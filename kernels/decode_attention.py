@@ -213,7 +213,7 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, out, mid_o, mid_lse, BLOC
     H_kv = k_cache.shape[2]
     G = H // H_kv
     num_splits = mid_o.shape[2]
-    D_PAD = triton.next_power_of_2(D)
+    D_PAD = max(16, triton.next_power_of_2(D))  # tl.dot wants K >= 16 on the GPU (head_dim 8: stories260K)
     _decode_split_kernel[(B, H_kv, num_splits)](
         q, k_cache, v_cache, cache_seqlens, mid_o, mid_lse, math.log2(math.e) / math.sqrt(D),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

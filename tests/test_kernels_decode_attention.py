@@ -30,6 +30,7 @@ def make_inputs(B, H, H_kv, D, S_max, dtype):
     (4, 4, 32, 40, 3),     # MHA
     (8, 2, 16, 50, 4),     # GQA, group 4
     (6, 1, 24, 33, 1),     # MQA, head dim not a power of two, no split
+    (8, 4, 8, 20, 2),      # head dim 8 (stories260K): padded to tl.dot's 16 on the GPU
     (4, 2, 32, 150, 16),   # more splits than a short row needs (empty splits)
 ])
 @pytest.mark.parametrize("fused_merge", [False, True])
