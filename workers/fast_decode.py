@@ -266,10 +266,18 @@ class FastDecoder:
                 raise ValueError("one_launch needs fused norms and Triton GEMVs")
             return False
         eligible = all(l.folded for l in self.layers)
+        # on the GPU its attention asks L2 for whole 128-byte lines of a head: smaller heads (stories260K's 8) don't
+        # fit it (the CPU interpreter has no prefetch)
+        big_heads = dev.type != "cuda" or self.cfg.head_dim * self.model.embed.weight.element_size() >= 128
         if dcfg.one_launch:
             if not eligible:
                 raise ValueError("one_launch needs every layer factorized (fused norms); this model has dense layers")
+            if not big_heads:
+                raise ValueError(f"one_launch needs heads of >= 128 bytes; this model's are {self.cfg.head_dim} "
+                                 "elements")
             return True
+        if not big_heads:
+            return False
         if not (dcfg.batch_size == 1 and eligible and dev.type == "cuda"
                 and torch.cuda.get_device_capability(dev)[0] >= 9):
             return False
