@@ -85,3 +85,16 @@ def test_greedy_match_reports_logit_error_and_near_ties():
     m = g["mismatches"][0]
     assert m["row"] == 0 and m["step"] == g["first_mismatch_step"] and m["eager_margin"] >= 0
     assert g["max_logit_err"] >= 99 and m["logit_err"] >= 99 and g["near_ties"]  # 100 >> any margin: flippable
+
+
+def test_engine_gpu_check_needs_a_gpu(tmp_path):
+    """bench/engine_gpu_check.py runs on CUDA only; elsewhere it says so instead of failing inside the engine."""
+    import torch
+
+    from rankserve.bench import engine_gpu_check
+
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU: the check itself runs there (bench/results/engine-gpu-check.md)")
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        engine_gpu_check.main(["--out", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()
