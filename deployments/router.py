@@ -80,6 +80,13 @@ def _sse_line(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+def _logprobs(routed: Routed, entries: list[dict]) -> dict | None:
+    """The worker's logprob entries in the request's shape (chat or completion); None when not asked for."""
+    if routed.req.logprobs is None:
+        return None
+    return chat_logprobs(entries) if routed.chat else completion_logprobs(entries)
+
+
 def _unavailable(family: str, e: Exception) -> Failure:
     """Map a failure to reach a worker to 503 (retryable) and anything else to 500, logging the latter."""
     if isinstance(e, BackPressureError):
@@ -172,11 +179,8 @@ class Router:
                                 headers={"www-authenticate": "Bearer"} if f.status == 401 else None)
         self._count(family, "http", 200, t0)
         build, prefix = (chat_completion_body, "chatcmpl") if chat else (completion_body, "cmpl")
-        lp = None
-        if routed.req.logprobs is not None:
-            lp = chat_logprobs(out["logprobs"]) if chat else completion_logprobs(out["logprobs"])
         body = build(new_id(prefix), family, out["text"], out["finish_reason"], out["prompt_tokens"],
-                     out["completion_tokens"], lp)
+                     out["completion_tokens"], _logprobs(routed, out["logprobs"]))
         return JSONResponse(body, headers=headers)
 
     async def _sse(self, routed: Routed, first: dict, events: AsyncIterator[dict], t0: float):
@@ -191,10 +195,8 @@ class Router:
         pending: list[dict] = []  # logprob entries not sent yet
 
         def chunk(text: str, finish_reason: str | None = None, usage_: dict | None = None) -> str:
-            lp = None
-            if routed.req.logprobs is not None:
-                lp = chat_logprobs(pending) if chat else completion_logprobs(pending)
-                pending.clear()
+            lp = _logprobs(routed, pending)
+            pending.clear()
             if not chat:
                 return _sse_line(chunk_body(id, family, text, finish_reason, usage_, lp))
             return _sse_line(chat_chunk_body(id, family, {"content": text} if text else {}, finish_reason, usage_,

@@ -111,7 +111,7 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    """OpenAI-shaped completion request. Fields OpenAI has and we don't (logprobs, echo, ...) are refused, so a
+    """OpenAI-shaped completion request. Fields OpenAI has and we don't (echo, best_of, ...) are refused, so a
     client never silently gets something other than what it asked for."""
 
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)

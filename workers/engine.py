@@ -76,6 +76,7 @@ class _Row:
         self.logprobs: list[TokenLogprob] = []  # one per token pushed (stop tokens included), when asked for
         self.logprobs_sent = 0  # entries handed out by `new_logprobs`
         self.cut = False  # ended on a stop string (the text was cut)
+        self.text_len = 0  # characters of the generated tokens' text (before any cut): the next token's offset
 
     def push(self, token: int, tok: Tokenizer, last: bool = False) -> str:
         """Append a token; return the newly releasable text and set `finish` when the row is done (`last`: the
@@ -86,6 +87,7 @@ class _Row:
             return self._release(self._text(tok))
         self.ids.append(token)
         text = self._text(tok)
+        self.text_len = len(text)
         for s in self.params.stop:
             at = text.find(s)
             if at >= 0:
@@ -125,7 +127,7 @@ class _Row:
             return text(t), v if v > LOGPROB_FLOOR else LOGPROB_FLOOR, list(tok.token_bytes(t))  # NaN -> floor too
 
         t_text, v, b = one(token, float(lp[token]))
-        self.logprobs.append(TokenLogprob(t_text, v, b, len(self._text(tok)), [one(i, x) for i, x in zip(ids, vals)]))
+        self.logprobs.append(TokenLogprob(t_text, v, b, self.text_len, [one(i, x) for i, x in zip(ids, vals)]))
 
     def released_logprobs(self) -> list[TokenLogprob]:
         """The entries of the tokens whose text is out: while running, those starting before the released text's

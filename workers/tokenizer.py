@@ -14,6 +14,8 @@ class Tokenizer:
     def __init__(self, backend: str, impl, bos_id: int | None, eos_id: int | None, vocab_size: int) -> None:
         self.backend, self._impl = backend, impl
         self.bos_id, self.eos_id, self.vocab_size = bos_id, eos_id, vocab_size
+        # GPT-2 style byte-level BPE writes each byte as one printable character (token_bytes maps them back)
+        self.byte_level = backend == "tokenizers" and type(impl.decoder).__name__ == "ByteLevel"
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "Tokenizer":
@@ -79,7 +81,7 @@ class Tokenizer:
         piece = self._impl.id_to_token(i)
         if piece is None:
             return b""
-        if type(self._impl.decoder).__name__ == "ByteLevel":  # GPT-2 style: one printable char per byte
+        if self.byte_level:
             return bytes(_BYTE_OF_CHAR.get(c, 0) for c in piece)
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # byte fallback (LLaMA's BPE)
             return bytes([int(piece[3:5], 16)])
