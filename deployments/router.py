@@ -8,7 +8,8 @@ HTTP:  POST /v1/completions and /v1/chat/completions (SSE when "stream": true), 
        (liveness), GET /readyz. A chat request's messages are rendered by the family's chat template (the
        checkpoint's own, or a plain transcript: workers/chat.py) into a completion request; from there both
        take the same path.
-gRPC:  Generate, GenerateStream (port from the Serve config's grpc_options)
+gRPC:  Generate, GenerateStream, Chat, ChatStream (port from the Serve config's grpc_options); the same fields,
+       defaults and logprobs as HTTP
 Status mapping, both protocols: bad input 400 / INVALID_ARGUMENT, key 401 / UNAUTHENTICATED, deadline 408 /
 DEADLINE_EXCEEDED, queue full or replica lost 503 / UNAVAILABLE; only our own bugs give 500 / INTERNAL.
 """
@@ -85,6 +86,13 @@ def _logprobs(routed: Routed, entries: list[dict]) -> dict | None:
     if routed.req.logprobs is None:
         return None
     return chat_logprobs(entries) if routed.chat else completion_logprobs(entries)
+
+
+def _proto_logprobs(entries: list[dict]) -> list[pb.TokenLogprob]:
+    """The worker's logprob entries as `rankserve.TokenLogprob` messages (empty when none were asked for)."""
+    return [pb.TokenLogprob(token=e["token"], logprob=e["logprob"], bytes=bytes(e["bytes"]), text_offset=e["offset"],
+                            top_logprobs=[pb.TopLogprob(token=t, logprob=lp, bytes=bytes(b)) for t, lp, b in e["top"]])
+            for e in entries]
 
 
 def _unavailable(family: str, e: Exception) -> Failure:
@@ -262,11 +270,25 @@ class Router:
     # ---- gRPC ------------------------------------------------------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context) -> pb.GenerateReply:
+        return await self._grpc(request, grpc_context, chat=False)
+
+    async def GenerateStream(self, request: pb.GenerateRequest, grpc_context) -> AsyncIterator[pb.GenerateChunk]:
+        async for chunk in self._grpc_stream(request, grpc_context, chat=False):
+            yield chunk
+
+    async def Chat(self, request: pb.ChatRequest, grpc_context) -> pb.GenerateReply:
+        return await self._grpc(request, grpc_context, chat=True)
+
+    async def ChatStream(self, request: pb.ChatRequest, grpc_context) -> AsyncIterator[pb.GenerateChunk]:
+        async for chunk in self._grpc_stream(request, grpc_context, chat=True):
+            yield chunk
+
+    async def _grpc(self, request, grpc_context, chat: bool) -> pb.GenerateReply:
         t0 = time.perf_counter()
         family = "-"
         try:
             self._authorize(grpc_context.invocation_metadata())
-            routed = await self._route(from_proto(request))
+            routed = await self._route(from_proto(request), chat)
             family = routed.req.model
             out = await self._generate(routed)
         except Failure as f:
@@ -276,29 +298,39 @@ class Router:
             return pb.GenerateReply()
         self._count(family, "grpc", 200, t0)
         return pb.GenerateReply(
-            id=new_id(), model=family, text=out["text"], token_ids=out["token_ids"], finish_reason=out["finish_reason"],
-            usage=pb.Usage(**usage(out["prompt_tokens"], out["completion_tokens"])), rank_cache_hit=routed.hit is not None)
+            id=new_id("chatcmpl" if chat else "cmpl"), model=family, text=out["text"], token_ids=out["token_ids"],
+            finish_reason=out["finish_reason"], usage=pb.Usage(**usage(out["prompt_tokens"], out["completion_tokens"])),
+            rank_cache_hit=routed.hit is not None, logprobs=_proto_logprobs(out["logprobs"]))
 
-    async def GenerateStream(self, request: pb.GenerateRequest, grpc_context) -> AsyncIterator[pb.GenerateChunk]:
+    async def _grpc_stream(self, request, grpc_context, chat: bool) -> AsyncIterator[pb.GenerateChunk]:
+        """One chunk per released piece of text, with the logprob entries of the tokens it releases, then the
+        finish chunk with the usage."""
         t0 = time.perf_counter()
-        family, status, id, events = "-", 200, new_id(), None
+        family, status, id, events = "-", 200, new_id("chatcmpl" if chat else "cmpl"), None
         try:
             self._authorize(grpc_context.invocation_metadata())
-            routed = await self._route(from_proto(request))
+            routed = await self._route(from_proto(request), chat)
             family = routed.req.model
             tags = {"family": family, "protocol": "grpc"}
             events = self._events(routed)
             n_prompt = (await anext(events))["prompt_tokens"]
             first_token = True
+            pending: list[dict] = []  # logprob entries of tokens held back (their text not released yet)
             async for ev in events:
-                if ev["event"] == "token" and ev["text"]:
+                if ev["event"] == "token":
+                    pending.extend(ev.get("logprobs", ()))
+                    if not ev["text"]:
+                        continue
                     if first_token:
                         self.m_ttft.observe(time.perf_counter() - t0, tags=tags)
                         first_token = False
-                    yield pb.GenerateChunk(id=id, text=ev["text"], token_id=ev["token_id"])
+                    yield pb.GenerateChunk(id=id, text=ev["text"], token_id=ev["token_id"],
+                                           logprobs=_proto_logprobs(pending))
+                    pending.clear()
                 elif ev["event"] == "end":
                     yield pb.GenerateChunk(id=id, finish_reason=ev["finish_reason"],
-                                           usage=pb.Usage(**usage(n_prompt, ev["completion_tokens"])))
+                                           usage=pb.Usage(**usage(n_prompt, ev["completion_tokens"])),
+                                           logprobs=_proto_logprobs(pending))
         except Failure as f:
             status = f.status
             grpc_context.set_code(GRPC_CODE[f.status])

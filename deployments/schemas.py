@@ -1,5 +1,5 @@
 """The request schemas and the one validation behind HTTP (`POST /v1/completions`, `POST /v1/chat/completions`)
-and gRPC (`Generate`).
+and gRPC (`Generate`, `Chat` and their streams).
 
 HTTP bodies and gRPC messages are both turned into a `CompletionRequest` by `parse_request` (a chat body into a
 `ChatRequest`, which becomes a `CompletionRequest` once the family's chat template has rendered its messages),
@@ -56,6 +56,7 @@ class _Request(BaseModel):
     temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)  # 0 = greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=0)  # 0 = off (a vLLM extra)
+    ignore_eos: bool = False  # run on past EOS / end of turn to max_tokens or a stop string (a vLLM extra)
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP)
     stream: bool = False
@@ -125,7 +126,8 @@ class CompletionRequest(_Request):
     def sampling(self) -> dict[str, Any]:
         """What the worker needs to build `SamplingParams` (a plain dict: it crosses process boundaries)."""
         return dict(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                    top_k=self.top_k, seed=self.seed, stop=tuple(self.stop), logprobs=self.logprobs)
+                    top_k=self.top_k, seed=self.seed, stop=tuple(self.stop), ignore_eos=self.ignore_eos,
+                    logprobs=self.logprobs)
 
 
 class TextPart(BaseModel):
@@ -261,9 +263,15 @@ def check_request(req: _Request, families: dict[str, FamilyLimits]) -> FamilyLim
 
 
 def from_proto(msg) -> dict[str, Any]:
-    """A `rankserve.GenerateRequest` -> the same dict an HTTP body would be (unset optional fields left out)."""
-    d: dict[str, Any] = {"model": msg.model, "prompt": msg.prompt}
-    for f in ("max_tokens", "temperature", "top_p", "seed", "top_k"):
+    """A `rankserve.GenerateRequest` or `ChatRequest` -> the same dict an HTTP body would be (unset optional fields
+    left out): a chat's `logprobs: N` is HTTP's `"logprobs": true, "top_logprobs": N`."""
+    chat = msg.DESCRIPTOR.name == "ChatRequest"
+    d: dict[str, Any] = {"model": msg.model}
+    if chat:
+        d["messages"] = [{"role": m.role, "content": m.content} for m in msg.messages]
+    else:
+        d["prompt"] = msg.prompt
+    for f in ("max_tokens", "temperature", "top_p", "seed", "top_k", "ignore_eos"):
         if msg.HasField(f):
             d[f] = getattr(msg, f)
     # float32 on the wire: take the decimal the client wrote (1e-05, not 9.99999975e-06), as HTTP would
@@ -272,6 +280,8 @@ def from_proto(msg) -> dict[str, Any]:
             d[f] = float(str(np.float32(d[f])))
     if msg.stop:
         d["stop"] = list(msg.stop)
+    if msg.HasField("logprobs"):
+        d.update({"logprobs": True, "top_logprobs": msg.logprobs} if chat else {"logprobs": msg.logprobs})
     return d
 
 

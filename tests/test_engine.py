@@ -218,5 +218,7 @@ def test_generation_config_eos_ends_a_reply(tmp_path):
     assert first[3] in e.eos and 2 in e.eos
     r = e.generate("", SamplingParams(max_new_tokens=5))
     assert r.finish_reason == "stop" and r.token_ids == first[:3]
+    r = e.generate("", SamplingParams(max_new_tokens=5, ignore_eos=True))  # the request's ignore_eos
+    assert r.finish_reason == "length" and r.token_ids == first
     (d / "generation_config.json").write_text("[1, 2]")  # not an object: ignored
     assert first[3] not in Engine.load(d).eos

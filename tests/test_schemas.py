@@ -21,7 +21,7 @@ def test_defaults_are_openai_s():
     assert (r.max_tokens, r.temperature, r.top_p, r.top_k, r.seed, r.stop, r.stream) == (16, 1.0, 1.0, 0, None, [], False)
     check_request(r, FAMILIES)
     assert r.sampling() == dict(max_new_tokens=16, temperature=1.0, top_p=1.0, top_k=0, seed=None, stop=(),
-                               logprobs=None)
+                               ignore_eos=False, logprobs=None)
 
 
 def test_stop_string_or_list():
@@ -79,6 +79,32 @@ def test_proto_goes_through_the_same_validation():
         parse_request(d)  # max_tokens=0 was set explicitly, so it is refused rather than defaulted
     with pytest.raises(RequestError, match="prompt"):
         parse_request(from_proto(pb.GenerateRequest(model="svd-llm")))
+    assert parse_request(from_proto(pb.GenerateRequest(model="svd-llm", prompt="hi", logprobs=0))).logprobs == 0
+    with pytest.raises(RequestError, match="logprobs"):
+        parse_request(from_proto(pb.GenerateRequest(model="svd-llm", prompt="hi", logprobs=21)))
+
+
+def test_proto_chat_is_the_http_chat_body():
+    from rankserve.deployments.schemas import ChatRequest
+    from rankserve.proto import rankserve_pb2 as pb
+
+    msgs = [pb.ChatMessage(role="system", content="Be brief."), pb.ChatMessage(role="user", content="hi")]
+    d = from_proto(pb.ChatRequest(model="svd-llm", messages=msgs, temperature=0.0, logprobs=3))
+    assert d == {"model": "svd-llm", "messages": [{"role": "system", "content": "Be brief."},
+                                                  {"role": "user", "content": "hi"}],
+                 "temperature": 0.0, "logprobs": True, "top_logprobs": 3}
+    req = parse_request(d, ChatRequest)
+    assert req.max_tokens is None and req.logprobs and req.top_logprobs == 3  # max_tokens: the family's limit
+    assert "logprobs" not in from_proto(pb.ChatRequest(model="svd-llm", messages=msgs))
+    assert parse_request(from_proto(pb.ChatRequest(model="svd-llm", messages=msgs, ignore_eos=True)),
+                         ChatRequest).ignore_eos
+    assert parse_request(from_proto(pb.GenerateRequest(model="svd-llm", prompt="hi", ignore_eos=True))).sampling()[
+        "ignore_eos"]
+    with pytest.raises(RequestError, match="messages.0.role"):
+        parse_request(from_proto(pb.ChatRequest(model="svd-llm", messages=[pb.ChatMessage(role="tool")])),
+                      ChatRequest)
+    with pytest.raises(RequestError, match="messages"):
+        parse_request(from_proto(pb.ChatRequest(model="svd-llm")), ChatRequest)
 
 
 def test_api_keys(monkeypatch):

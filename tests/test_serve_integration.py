@@ -160,9 +160,10 @@ def test_every_path_gives_the_cli_greedy_text(service, stub, family):
     assert chunks[-1].usage.completion_tokens == len(ref["token_ids"])
 
 
-def test_chat_completions_answer_the_rendered_conversation(service):
+def test_chat_completions_answer_the_rendered_conversation(service, stub):
     """A chat request is the completion of its rendered conversation (the bundled model has no template: the plain
-    transcript, with the next user turn as a stop string), in chat shapes, streamed or not."""
+    transcript, with the next user turn as a stop string), in chat shapes, streamed or not, and over gRPC."""
+    from rankserve.proto import rankserve_pb2 as pb
     from rankserve.workers.chat import ChatTemplate
 
     msgs = [{"role": "system", "content": "You tell short stories."}, {"role": "user", "content": PROMPT}]
@@ -196,9 +197,28 @@ def test_chat_completions_answer_the_rendered_conversation(service):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages.0.role"
     assert httpx.post(url, json=body, timeout=60).status_code == 401
 
+    req = pb.ChatRequest(model="svd-llm", messages=[pb.ChatMessage(**m) for m in msgs], max_tokens=N, temperature=0)
+    rep = stub.Chat(req, metadata=GRPC_AUTH, timeout=60)
+    assert rep.text == ref["choices"][0]["text"] and rep.id.startswith("chatcmpl-")
+    assert rep.finish_reason == ref["choices"][0]["finish_reason"]
+    assert rep.usage.prompt_tokens == ref["usage"]["prompt_tokens"]
+    grpc_chunks = list(stub.ChatStream(req, metadata=GRPC_AUTH, timeout=60))
+    assert "".join(c.text for c in grpc_chunks) == rep.text and grpc_chunks[-1].finish_reason == rep.finish_reason
+    for call in (stub.Chat, lambda *a, **k: list(stub.ChatStream(*a, **k))):
+        with pytest.raises(grpc.RpcError) as e:
+            call(pb.ChatRequest(model="svd-llm", messages=[pb.ChatMessage(role="tool", content="x")]),
+                 metadata=GRPC_AUTH, timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "messages.0.role" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            call(req, timeout=60)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
-def test_logprobs_are_the_clis(service):
-    """logprobs through HTTP (plain, streamed, chat) are `rankserve generate --logprobs`'s for the same tokens."""
+
+def test_logprobs_are_the_clis(service, stub):
+    """logprobs through HTTP and gRPC (plain, streamed, chat) are `rankserve generate --logprobs`'s for the same
+    tokens."""
+    from rankserve.proto import rankserve_pb2 as pb
+
     model_dir = service.app["args"]["families"]["svd-llm"]["model_dir"]
     ref = cli_generate(model_dir, PROMPT, 8, "--logprobs", "2")["logprobs"]
     body = {"model": "svd-llm", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 2}
@@ -226,6 +246,21 @@ def test_logprobs_are_the_clis(service):
     assert all(e["bytes"] == list(e["token"].encode()) or e["token"].startswith(" ") for e in content)
     assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["logprob"] >= e["logprob"] - 1e-6
                for e in content)
+
+    req = pb.GenerateRequest(model="svd-llm", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2)
+    rep = stub.Generate(req, metadata=GRPC_AUTH, timeout=60)
+    assert [(e.token, e.text_offset, list(e.bytes)) for e in rep.logprobs] == \
+        [(e["token"], e["offset"], e["bytes"]) for e in ref]
+    assert [e.logprob for e in rep.logprobs] == pytest.approx([e["logprob"] for e in ref], abs=1e-5)
+    assert [[t.token for t in e.top_logprobs] for e in rep.logprobs] == [[t for t, _, _ in e["top"]] for e in ref]
+    streamed = [e for c in stub.GenerateStream(req, metadata=GRPC_AUTH, timeout=60) for e in c.logprobs]
+    assert streamed == list(rep.logprobs)
+    assert not stub.Generate(pb.GenerateRequest(model="svd-llm", prompt=PROMPT, max_tokens=8, temperature=0),
+                             metadata=GRPC_AUTH, timeout=60).logprobs  # none unless asked for
+    chat = stub.Chat(pb.ChatRequest(model="svd-llm", messages=[pb.ChatMessage(**m) for m in msgs], max_tokens=8,
+                                    temperature=0, logprobs=2), metadata=GRPC_AUTH, timeout=60)
+    assert [(e.token, list(e.bytes)) for e in chat.logprobs] == [(e["token"], e["bytes"]) for e in content]
+    assert [e.logprob for e in chat.logprobs] == pytest.approx([e["logprob"] for e in content], abs=1e-6)
 
 
 def test_models_and_health(service):
@@ -434,8 +469,8 @@ def test_full_queue_is_refused_with_503(service, stub):
 
     from rankserve.proto import rankserve_pb2 as pb
 
-    # Greedy: a sampled reply can end early with EOS and answer 200 inside the deadline.
-    body = {"model": "deadline", "prompt": "Once upon a time " * 60, "max_tokens": 256, "temperature": 0}
+    # ignore_eos: a reply that ended early with EOS would answer 200 inside the deadline
+    body = {"model": "deadline", "prompt": "Once upon a time " * 60, "max_tokens": 256, "ignore_eos": True}
     with ThreadPoolExecutor(8) as pool:
         rs = list(pool.map(lambda _: post(service, body), range(8)))
     statuses = sorted(r.status_code for r in rs)
