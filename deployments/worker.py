@@ -1,9 +1,12 @@
 """Worker: one Serve deployment per compression family (`Worker-<family>`), wrapping `workers.Engine`.
 
-One generation runs at a time per replica (the engine holds one model and is not re-entrant); later requests
-wait on a FIFO lock, which is the queue Serve's autoscaler sees as ongoing requests. Every engine call runs on
-one dedicated thread, one decode step per hop, so the event loop stays free between tokens: a cancelled request
-(client gone) stops at the next token, and a request past its deadline ends there too.
+Requests decode in batches: a replica's batch loop takes up to `max_batch_size` waiting requests (FIFO) and
+decodes them together (`Engine.stream_batch`), one step for every row at a time, until each has finished; requests
+that arrive meanwhile wait for the next batch (static batching: a new request does not join a running batch).
+Waiting and running requests are what Serve's autoscaler sees as ongoing requests. Every engine call runs on one
+dedicated thread, one decode step per hop, so the event loop stays free between tokens: a cancelled request
+(client gone) leaves its batch at the next step, and a request past its deadline ends there too; the other rows
+go on.
 
 Both calls produce the same events (plain dicts, they cross process boundaries):
     {"event": "start", "prompt_tokens", "subset", "cached"}   or   {"event": "error", "status", "message", "param"}
@@ -17,8 +20,9 @@ Both calls produce the same events (plain dicts, they cross process boundaries):
 from __future__ import annotations
 
 import asyncio
-import logging
+import collections
 import contextlib
+import logging
 import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -110,8 +114,9 @@ class Worker:
         if self.chat_template.error:
             log.warning("%s: chat requests will be refused: %s", family, self.chat_template.error)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{family}")
-        self._lock = asyncio.Lock()  # FIFO: one generation at a time
-        self._waiting = 0
+        self._pending: collections.deque[_Pending] = collections.deque()  # FIFO, not yet in a batch
+        self._wake = asyncio.Event()
+        self._batcher: asyncio.Task | None = None  # the batch loop, started by the first request
         self._step_since: float | None = None  # when the running engine call started (health check)
         self._broken: str | None = None
 
@@ -126,7 +131,7 @@ class Worker:
         self.m_queue = Histogram("rankserve_worker_queue_seconds", "time waiting for the engine", LATENCY_BUCKETS, tags)
         self.m_rate = Histogram("rankserve_decode_tokens_per_second", "per-request decode speed", RATE_BUCKETS, tags)
         self.m_waiting = Gauge("rankserve_worker_requests_waiting", "requests queued for the engine", tags)
-        self.m_running = Gauge("rankserve_worker_requests_running", "requests generating", tags)
+        self.m_running = Gauge("rankserve_worker_requests_running", "requests generating (the batch's size)", tags)
         for g in (self.m_waiting, self.m_running):
             g.set(0, tags={"family": family})
 
@@ -168,10 +173,10 @@ class Worker:
 
     async def _run(self, prompt: str, sampling: dict[str, Any], cached: bool,
                    subset: dict | None) -> AsyncIterator[dict]:
+        """One request: check it, queue it for a batch, pass on the events the batch loop gives it."""
         from rankserve.workers.sampler import SamplingParams
 
         t0 = time.monotonic()
-        deadline = t0 + self.spec.request_timeout_s
         tags = {"family": self.family}
         param = None
         try:  # the router validated already; these are the checks that need the model (and a guard)
@@ -186,64 +191,172 @@ class Worker:
             yield dict(event="error", status=400, message=str(e), param=param)
             return
 
-        self._waiting += 1
-        self.m_waiting.set(self._waiting, tags=tags)
+        cached, subset = self._checked_subset(cached, subset)
+        req = _Pending(prompt, params, n_prompt, cached, subset, t0, t0 + self.spec.request_timeout_s)
+        self._pending.append(req)
+        self._set_waiting()
+        if self._batcher is None or self._batcher.done():  # the first request (or a new event loop, in tests)
+            self._wake = asyncio.Event()
+            self._batcher = asyncio.create_task(self._batches())
+        self._wake.set()
         try:
-            async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
-                await self._lock.acquire()
-        except TimeoutError:
-            self.m_requests.inc(tags={**tags, "outcome": "timeout"})
-            yield dict(event="error", status=408, param=None, message=f"no free {self.family} replica within "
-                                                                      f"{self.spec.request_timeout_s:g} s; retry later")
-            return
+            while True:
+                try:  # a queued request waits until its deadline; a running one, for the batch loop
+                    timeout = None if req.started else max(req.deadline - time.monotonic(), 0)
+                    ev = await asyncio.wait_for(req.events.get(), timeout)
+                except TimeoutError:
+                    if req.started:
+                        continue
+                    self.m_requests.inc(tags={**tags, "outcome": "timeout"})
+                    yield dict(event="error", status=408, param=None, message=f"no free {self.family} replica within "
+                                                                              f"{self.spec.request_timeout_s:g} s; retry later")
+                    return
+                if isinstance(ev, BaseException):
+                    raise ev
+                yield ev
+                if ev["event"] == "end":
+                    return
         finally:
-            self._waiting -= 1
-            self.m_waiting.set(self._waiting, tags=tags)
+            req.cancelled = True  # the client went away, or we are done: the batch loop drops the row
+            if req in self._pending:
+                self._pending.remove(req)
+                self._set_waiting()
 
-        gen, outcome, n = None, "cancelled", 0
-        self.m_running.set(1, tags=tags)
-        self.m_queue.observe(time.monotonic() - t0, tags=tags)
+    def _checked_subset(self, cached: bool, subset: dict | None) -> tuple[bool, dict | None]:
+        """A rank-cache subset is checked before it joins a batch (one bad row would fail them all); one this
+        model can't take is ignored and the request routed afresh. A static family takes none."""
+        from rankserve.workers.parse import validate
+
+        if self.engine.routers is None:
+            return cached, None
+        if cached:
+            try:
+                return True, validate(subset, self.engine.routers)
+            except ValueError as e:
+                log.warning("%s: ignoring a rank-cache subset (%s); routing the request afresh", self.family, e)
+        return False, None
+
+    def _set_waiting(self) -> None:
+        self.m_waiting.set(len(self._pending), tags={"family": self.family})
+
+    async def _batches(self) -> None:
+        """The batch loop: while requests wait, take up to max_batch_size of them (FIFO) and decode them together
+        until each has finished; requests that arrive meanwhile wait for the next batch."""
+        while True:
+            batch: list[_Pending] = []
+            while self._pending and len(batch) < self.engine.max_batch_size:
+                req = self._pending.popleft()
+                if not req.cancelled and time.monotonic() < req.deadline:  # else its consumer answers it
+                    req.started = True
+                    batch.append(req)
+            self._set_waiting()
+            if batch:
+                await self._run_batch(batch)
+            elif not self._pending:
+                self._wake.clear()
+                await self._wake.wait()
+
+    async def _run_batch(self, batch: list[_Pending]) -> None:
+        """Decode one batch to its end; never raises (a failure goes to the requests it hits)."""
+        tags = {"family": self.family}
+        self.m_running.set(len(batch), tags=tags)
+        stream = None
         try:
-            if not cached:  # a miss: the model's own routers choose (None = static ranks); the router writes it back
-                subset = await self._call(self.engine.rank_subset, prompt)
-                if subset is not None:  # None: a static family, no routers ran
-                    self.m_router_runs.inc(tags=tags)
-            yield dict(event="start", prompt_tokens=n_prompt, subset=subset, cached=cached)
-            gen = self.engine.stream(prompt, params, subset=subset)
-            t_first = None
-            finish = None
-            while finish is None:
-                if time.monotonic() > deadline:
-                    finish = "timeout"
+            live = []
+            for req in batch:
+                self.m_queue.observe(time.monotonic() - req.t0, tags=tags)
+                try:
+                    if not req.cached:  # a miss: the model's own routers choose (None = static ranks)
+                        req.subset = await self._call(self.engine.rank_subset, req.prompt)
+                        if req.subset is not None:  # None: a static family, no routers ran
+                            self.m_router_runs.inc(tags=tags)
+                except Exception as e:
+                    self._fail(req, e)
+                    continue
+                req.events.put_nowait(dict(event="start", prompt_tokens=req.n_prompt, subset=req.subset,
+                                           cached=req.cached))
+                live.append(req)
+            if not live:
+                return
+            stream = await self._call(self.engine.stream_batch, [r.prompt for r in live], [r.params for r in live],
+                                      [r.subset for r in live])
+            while True:
+                now = time.monotonic()
+                for i, req in enumerate(live):  # between steps: rows whose client left or whose time is up
+                    if req.finish is None and req.cancelled:
+                        stream.stop(i, "cancelled")
+                        self._end(req, "cancelled")
+                    elif req.finish is None and now > req.deadline:
+                        stream.stop(i, "timeout")
+                        self._end(req, "timeout")
+                if all(r.finish is not None for r in live):
                     break
-                ev = await self._call(next, gen, None)
-                if ev is None:  # the engine ended without a reason: count it as length
-                    finish = "length"
+                step = await self._call(next, stream, None)
+                if step is None:  # the engine ended without a reason: count it as length
+                    for req in live:
+                        if req.finish is None:
+                            self._end(req, "length")
                     break
-                if t_first is None:
-                    t_first = time.monotonic()
-                    self.m_ttft.observe(t_first - t0, tags=tags)
-                finish = ev.finish_reason
-                if not (finish == "stop" and ev.token_id in self.stop_ids | set(params.stop_token_ids)):
-                    n += 1  # a stop token ends the text but is not part of it
-                token = dict(event="token", token_id=ev.token_id, text=ev.text)
-                if ev.logprobs:  # {"token", "logprob", "bytes", "offset", "top": [(text, logprob, bytes)]}
-                    token["logprobs"] = [dataclasses.asdict(l) for l in ev.logprobs]
-                yield token
-            if t_first is not None and n > 1:
-                self.m_rate.observe((n - 1) / max(time.monotonic() - t_first, 1e-9), tags=tags)
-            outcome = finish
-            yield dict(event="end", finish_reason=finish, completion_tokens=n)
-        except Exception as e:  # fails this request (the router answers 500); CancelledError is not an Exception
-            outcome = "error"
-            if is_device_failure(e):  # fail health checks: Serve replaces the replica
-                self._broken = f"{type(e).__name__}: {e}"
-            raise
+                for req, ev in zip(live, step):
+                    if ev is not None and req.finish is None:
+                        self._token(req, ev)
+        except Exception as e:  # a failed step fails the batch's unfinished requests; CancelledError passes
+            for req in batch:
+                if req.finish is None:
+                    self._fail(req, e)
         finally:
-            if gen is not None:  # close the engine's generator on its own thread, queued after any step in flight;
-                self._thread.submit(gen.close)  # the next request's steps queue behind it, so no wait is needed
-            self._lock.release()
+            if stream is not None:  # closed on the engine thread, queued behind any step in flight
+                self._thread.submit(stream.close)
             self.m_running.set(0, tags=tags)
-            if n:
-                self.m_tokens.inc(n, tags=tags)
-            self.m_requests.inc(tags={**tags, "outcome": outcome})
+
+    def _token(self, req: "_Pending", ev) -> None:
+        now = time.monotonic()
+        tags = {"family": self.family}
+        if req.t_first is None:
+            req.t_first = now
+            self.m_ttft.observe(now - req.t0, tags=tags)
+        if not (ev.finish_reason == "stop" and ev.token_id in self.stop_ids | set(req.params.stop_token_ids)):
+            req.n += 1  # a stop token ends the text but is not part of it
+        token = dict(event="token", token_id=ev.token_id, text=ev.text)
+        if ev.logprobs:  # {"token", "logprob", "bytes", "offset", "top": [(text, logprob, bytes)]}
+            token["logprobs"] = [dataclasses.asdict(l) for l in ev.logprobs]
+        req.events.put_nowait(token)
+        if ev.finish_reason is not None:
+            self._end(req, ev.finish_reason)
+
+    def _end(self, req: "_Pending", finish: str) -> None:
+        tags = {"family": self.family}
+        req.finish = finish
+        if req.t_first is not None and req.n > 1 and finish != "cancelled":
+            self.m_rate.observe((req.n - 1) / max(time.monotonic() - req.t_first, 1e-9), tags=tags)
+        if req.n:
+            self.m_tokens.inc(req.n, tags=tags)
+        self.m_requests.inc(tags={**tags, "outcome": finish})
+        req.events.put_nowait(dict(event="end", finish_reason=finish, completion_tokens=req.n))
+
+    def _fail(self, req: "_Pending", e: Exception) -> None:
+        """The request fails with `e` (the router answers 500); a device error also fails health checks."""
+        if is_device_failure(e):  # Serve replaces the replica
+            self._broken = f"{type(e).__name__}: {e}"
+        req.finish = "error"
+        self.m_requests.inc(tags={"family": self.family, "outcome": "error"})
+        req.events.put_nowait(e)
+
+
+@dataclass(eq=False)
+class _Pending:
+    """One request inside a replica: what it asked for, and the queue its events go through."""
+
+    prompt: str
+    params: Any  # SamplingParams
+    n_prompt: int
+    cached: bool
+    subset: dict | None
+    t0: float  # arrival (monotonic)
+    deadline: float
+    events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
+    started: bool = False  # taken into a batch
+    cancelled: bool = False  # its consumer is gone
+    finish: str | None = None  # set once its end (or error) is queued
+    n: int = 0  # completion tokens (a stop token not counted)
+    t_first: float | None = None

@@ -34,6 +34,36 @@ def test_batch_equals_single(engine):
         assert single.token_ids == b.token_ids and single.text == b.text
 
 
+def test_stream_batch_is_each_request_alone(engine):
+    """A batch stream: each row's events are its own stream's; a row stopped from outside ends there while the
+    others go on unchanged; rows finish at different steps (None after that)."""
+    prompts = ["Once upon a time", "The dog", "Lily and Ben went to the park"]
+    params = [SamplingParams(max_new_tokens=n, logprobs=1) for n in (12, 20, 7)]
+    alone = [list(engine.stream(p, sp)) for p, sp in zip(prompts, params)]
+    batch = engine.stream_batch(prompts, params)
+    got: list[list] = [[], [], []]
+    for i, step in enumerate(batch):
+        for row, ev in zip(got, step):
+            if ev is not None:
+                row.append(ev)
+        if i == 4:
+            batch.stop(1, "cancelled")
+    batch.close()
+
+    def key(events):  # logprobs agree to float rounding (a padded batch sums in another order)
+        return [(e.token_id, e.text, e.finish_reason, [l.token for l in e.logprobs]) for e in events]
+
+    def lps(events):
+        return [l.logprob for e in events for l in e.logprobs]
+
+    assert key(got[0]) == key(alone[0]) and key(got[2]) == key(alone[2])
+    assert key(got[1]) == key(alone[1][:5]) and batch.rows[1].finish == "cancelled"
+    for g, a in zip(got, alone):
+        assert lps(g) == pytest.approx(lps(a)[:len(lps(g))], abs=1e-5)
+    with pytest.raises(ValueError, match="no PARSE rank experts"):
+        engine.stream_batch(prompts[:1], params[:1], [{"v": 1, "k": {}}])
+
+
 def test_stream_concatenates_to_generate(engine):
     sp = SamplingParams(max_new_tokens=30, stop=("park",))
     events = list(engine.stream("Once upon a time", sp))

@@ -1,7 +1,8 @@
 """The Worker deployment's request loop, in-process (no Ray cluster): same text as Engine.generate, the stop token
 kept out of the text, prompt-length check with its parameter, cancellation freeing the replica, the request
-timeout, FIFO queueing, an error in one request failing that request only (a device error failing health checks).
-The bundled stories260K model, greedy.
+timeout, batching (concurrent requests decode together, each with its own text; FIFO beyond the batch size), an
+error in one request failing that request only (a device error failing health checks). The bundled stories260K
+model, greedy.
 
 Run alone:  .venv/bin/python -m pytest tests/test_worker.py -q
 """
@@ -9,6 +10,7 @@ Run alone:  .venv/bin/python -m pytest tests/test_worker.py -q
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -88,25 +90,26 @@ def test_cancel_frees_the_replica():
         first = await collect(agen, limit=3)  # start + 2 tokens, then the client goes away
         await agen.aclose()
         assert [e["event"] for e in first] == ["start", "token", "token"]
-        assert not w._lock.locked()  # the next request can run at once
-        return await asyncio.wait_for(w.generate(PROMPT, greedy(4), cached=False, subset=None), timeout=30)
+        out = await asyncio.wait_for(w.generate(PROMPT, greedy(4), cached=False, subset=None), timeout=30)
+        assert not w._pending  # the cancelled row left its batch: the next request ran at once
+        return out
 
     assert asyncio.run(go())["completion_tokens"] == 4
 
 
 def test_cancel_while_queued():
-    w = make_worker()
+    w = make_worker(max_batch_size=1)
 
     async def go():
         long = asyncio.create_task(w.generate(PROMPT, greedy(200), cached=False, subset=None))
         await asyncio.sleep(0.05)
         queued = asyncio.create_task(w.generate(PROMPT, greedy(4), cached=False, subset=None))
         await asyncio.sleep(0.01)
-        assert w._waiting == 1
+        assert len(w._pending) == 1
         queued.cancel()
         with pytest.raises(asyncio.CancelledError):
             await queued
-        assert w._waiting == 0
+        assert not w._pending
         return await long
 
     assert asyncio.run(go())["completion_tokens"] == 200
@@ -116,11 +119,67 @@ def test_request_timeout_ends_generation():
     w = make_worker(request_timeout_s=0.05)
     out = asyncio.run(w.generate(PROMPT, greedy(256), cached=False, subset=None))
     assert out["finish_reason"] == "timeout" and out["completion_tokens"] < 256
-    assert not w._lock.locked()
+    assert not w._pending
 
 
-def test_fifo_one_generation_at_a_time():
-    w = make_worker()
+def test_queued_past_the_deadline_is_a_408():
+    w = make_worker(max_batch_size=1, request_timeout_s=0.3)
+    decode = w.engine._decode
+
+    def slow(*a, **k):  # 0.2 s a step: the first request (ended between steps, at 0.4 s) holds the replica past
+        for step in decode(*a, **k):  # the deadline of the second (0.31 s)
+            time.sleep(0.2)
+            yield step
+
+    w.engine._decode = slow
+
+    async def go():
+        long = asyncio.create_task(w.generate(PROMPT, greedy(256), cached=False, subset=None))
+        await asyncio.sleep(0.01)
+        late = await w.generate(PROMPT, greedy(4), cached=False, subset=None)
+        return late, await long
+
+    late, long = asyncio.run(go())
+    assert late["event"] == "error" and late["status"] == 408 and "no free dense replica" in late["message"]
+    assert long["finish_reason"] == "timeout"
+
+
+def test_concurrent_requests_decode_together(engine):
+    """Requests that wait together run as one batch, each with the text it gets alone; a request cancelled
+    mid-batch leaves it and the others finish."""
+    w = make_worker(max_batch_size=4)
+    prompts = ["Once upon a time", "The dog", "Lily and Ben went to the park", "One day"]
+    refs = [engine.generate(p, SamplingParams(**greedy(n))) for p, n in zip(prompts, (20, 9, 14, 30))]
+    sizes = []
+
+    async def go():
+        real = w._run_batch
+
+        async def spy(batch):
+            sizes.append(len(batch))
+            return await real(batch)
+
+        w._run_batch = spy
+        tasks = [asyncio.create_task(w.generate(p, greedy(n), cached=False, subset=None))
+                 for p, n in zip(prompts, (20, 9, 14, 30))]
+        fifth = asyncio.create_task(w.generate(PROMPT, greedy(200), cached=False, subset=None))
+        await asyncio.sleep(0)  # all five queued before the loop takes a batch of 4; the fifth waits
+        outs = await asyncio.gather(*tasks)
+        agen = w.stream(PROMPT, greedy(200), cached=False, subset=None)
+        await collect(agen, limit=2)
+        await agen.aclose()
+        return outs, await fifth
+
+    outs, last = asyncio.run(go())
+    assert sizes[0] == 4
+    for out, ref in zip(outs, refs):
+        assert out["text"] == ref.text and out["token_ids"] == ref.token_ids
+        assert out["completion_tokens"] == len(ref.token_ids)
+    assert last["completion_tokens"] == 200
+
+
+def test_fifo_beyond_the_batch_size():
+    w = make_worker(max_batch_size=1)
 
     async def go():
         order = []
@@ -148,8 +207,8 @@ def test_model_version_is_stable(tmp_path):
 
 
 def raising_stream(exc: BaseException):
-    """A stand-in for Engine.stream whose first step raises `exc` (on the engine thread, like a real step)."""
-    def stream(prompt, params, subset=None):
+    """A stand-in for Engine.stream_batch whose first step raises `exc` (on the engine thread, like a real step)."""
+    def stream(prompts, params, subsets=None):
         raise exc
         yield
 
@@ -159,13 +218,13 @@ def raising_stream(exc: BaseException):
 def test_a_failing_request_leaves_the_replica_healthy():
     """A non-device error (here torch.multinomial's, for inf/nan probabilities) fails that request only."""
     w = make_worker()
-    real = w.engine.stream
-    w.engine.stream = raising_stream(RuntimeError("probability tensor contains either `inf`, `nan` or element < 0"))
+    real = w.engine.stream_batch
+    w.engine.stream_batch = raising_stream(RuntimeError("probability tensor contains either `inf`, `nan` or element < 0"))
     with pytest.raises(RuntimeError, match="probability tensor"):
         asyncio.run(w.generate(PROMPT, greedy(4), cached=False, subset=None))
     w.check_health()  # no raise: Serve keeps the replica
-    assert w._broken is None and not w._lock.locked()
-    w.engine.stream = real
+    assert w._broken is None and not w._pending
+    w.engine.stream_batch = real
     assert asyncio.run(w.generate(PROMPT, greedy(4), cached=False, subset=None))["completion_tokens"] == 4
 
 
@@ -174,7 +233,7 @@ def test_a_failing_request_leaves_the_replica_healthy():
                          ids=["cuda-error", "oom"])
 def test_a_device_failure_fails_health_checks(exc):
     w = make_worker()
-    w.engine.stream = raising_stream(exc)
+    w.engine.stream_batch = raising_stream(exc)
     with pytest.raises(type(exc)):
         asyncio.run(w.generate(PROMPT, greedy(4), cached=False, subset=None))
     with pytest.raises(RuntimeError, match="engine failed"):

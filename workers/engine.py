@@ -253,6 +253,22 @@ class Engine:
             token, delta = step[0]
             yield StreamEvent(token, delta, row.finish, row.new_logprobs() if row.params.logprobs is not None else None)
 
+    def stream_batch(self, prompts: list[str], params: list[SamplingParams],
+                     subsets: list[dict | None] | None = None) -> "BatchStream":
+        """Requests decoding together, one step per `next()` (the worker's batches). `subsets`: each row's PARSE
+        rank subset (`rank_subset` or the rank cache's), required on a PARSE model, None on a static one."""
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        subsets = subsets if subsets is not None else [None] * len(prompts)
+        rows = [_Row(self.encode_prompt(p, sp), sp, self.eos) for p, sp in zip(prompts, params)]
+        if self.routers is None:
+            if any(s is not None for s in subsets):
+                raise ValueError("this model has no PARSE rank experts; it cannot take a rank subset")
+            return BatchStream(rows, self._decode(rows, None))
+        if any(s is None for s in subsets):
+            raise ValueError("a PARSE model's batch needs every row's rank subset (Engine.rank_subset)")
+        return BatchStream(rows, self._decode(rows, None, [validate(s, self.routers) for s in subsets]))
+
     def _fast_decoder(self, B: int, S: int, subsets: list[dict] | None = None) -> FastDecoder | None:
         """The thin decode path for (B, S), built once per batch size and cache-length bucket; None = eager."""
         mode = self.fast_path
@@ -360,3 +376,28 @@ class Engine:
                 apply(self.model, [select(self.model, self.routers, r.prompt_ids + r.ids) for r in rows])
             active = torch.tensor([r.finish is None for r in rows], dtype=torch.int32, device=self.device)
             logits = self.model(nxt, cache, active, last_only=True)  # finished rows: length 0, cache untouched
+
+
+class BatchStream:
+    """Rows decoding together (`Engine.stream_batch`). Each `next()` runs one step and returns one entry per row:
+    its `StreamEvent`, or None once the row has finished. `stop(i, reason)` ends row i before the next step (a
+    request cancelled or past its deadline) while the others go on; iteration ends when every row has finished."""
+
+    def __init__(self, rows: list[_Row], steps: Iterator[list[tuple[int, str]]]) -> None:
+        self.rows, self._steps = rows, steps
+
+    def __iter__(self) -> "BatchStream":
+        return self
+
+    def __next__(self) -> list[StreamEvent | None]:
+        step = next(self._steps)
+        return [None if t < 0 else
+                StreamEvent(t, text, r.finish, r.new_logprobs() if r.params.logprobs is not None else None)
+                for (t, text), r in zip(step, self.rows)]
+
+    def stop(self, i: int, reason: str) -> None:
+        if self.rows[i].finish is None:
+            self.rows[i].finish = reason
+
+    def close(self) -> None:
+        self._steps.close()

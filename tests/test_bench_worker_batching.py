@@ -1,0 +1,28 @@
+"""bench/worker_batching.py on a tiny run: every request is served whole at each batch size, the batches hold the
+rows the batch size allows, and the JSON + markdown land in the output folder.
+
+Run alone:  .venv/bin/python -m pytest tests/test_bench_worker_batching.py -q
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.serve
+
+
+def test_tiny_run_writes_its_results(tmp_path):
+    from rankserve.bench.worker_batching import main
+
+    assert main(["--batch-sizes", "1", "2", "--clients", "2", "--requests", "2", "--max-tokens", "5",
+                 "--tag", "t", "--out-dir", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "worker-batching-t.json").read_text())
+    one, two = res["rows"]
+    assert one["requests"] == two["requests"] == 4 and one["tokens"] == two["tokens"] == 20  # ignore_eos: all 5
+    assert one["mean_batch_rows"] == 1.0 and 1.0 < two["mean_batch_rows"] <= 2.0
+    md = (tmp_path / "worker-batching-t.md").read_text()
+    assert "| 2 |" in md and "--tag t" in md
+    with pytest.raises(SystemExit):
+        main(["--batch-sizes", "2", "--out-dir", str(tmp_path)])  # the baseline (1) must come first
