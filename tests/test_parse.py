@@ -303,6 +303,50 @@ def test_rank_reuse_masks_frozen_through_decode(svd_llm_dir):
     assert len(events) == 3 and lin.mask is None
 
 
+def test_batch_rows_keep_their_own_subsets(svd_llm_dir):
+    """Engine.stream_batch with a different subset per row gives each row the tokens it gets alone."""
+    engine = Engine.load(svd_llm_dir)
+    prompts = ["Once upon a time", "Lily and Ben went to the park", "The dog"]
+    greedy = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    subsets = [engine.rank_subset(p) for p in prompts]
+    assert len({json.dumps(s, sort_keys=True) for s in subsets}) == 3
+    alone = [engine.generate(p, greedy, s).token_ids for p, s in zip(prompts, subsets)]
+    ids: list[list[int]] = [[], [], []]
+    for step in engine.stream_batch(prompts, [greedy] * 3, subsets):
+        for row, ev in zip(ids, step):
+            if ev is not None:
+                row.append(ev.token_id)
+    assert ids == alone
+    with pytest.raises(ValueError, match="needs every row's rank subset"):
+        engine.stream_batch(prompts[:1], [greedy], [None])
+
+
+def test_worker_batch_of_hits_and_misses(svd_llm_dir):
+    """Concurrent PARSE requests in one worker batch: a miss is routed, a hit keeps its cached subset, and a cached
+    subset this model can't take is routed afresh instead of failing the batch; each text is the engine's own."""
+    import asyncio
+
+    from rankserve.deployments.worker import Worker
+
+    w = Worker.func_or_class("parse", {"model_dir": str(svd_llm_dir), "torch_threads": 1})
+    prompts = ["Once upon a time", "Lily and Ben went to the park", "The dog"]
+    hit = w.engine.rank_subset(prompts[0])  # a subset another prompt chose: what a rank-cache hit brings
+    sampling = dict(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+
+    async def go():
+        return await asyncio.gather(w.generate(prompts[0], sampling, cached=False, subset=None),
+                                    w.generate(prompts[1], sampling, cached=True, subset=hit),
+                                    w.generate(prompts[2], sampling, cached=True, subset={"v": 1, "k": {}}))
+
+    outs = asyncio.run(go())
+    want = [w.engine.rank_subset(prompts[0]), hit, w.engine.rank_subset(prompts[2])]
+    assert [o["cached"] for o in outs] == [False, True, False]
+    assert [o["subset"] for o in outs] == want
+    greedy = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    assert [o["token_ids"] for o in outs] == [w.engine.generate(p, greedy, s).token_ids
+                                             for p, s in zip(prompts, want)]
+
+
 def test_reroute_every_changes_masks_only_at_its_period(svd_llm_dir):
     engine = Engine.load(svd_llm_dir, reroute_every=4)
     lin = engine.model.projections()["layers.0.attn.q"]
