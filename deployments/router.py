@@ -187,8 +187,13 @@ class Router:
                                 headers={"www-authenticate": "Bearer"} if f.status == 401 else None)
         self._count(family, "http", 200, t0)
         build, prefix = (chat_completion_body, "chatcmpl") if chat else (completion_body, "cmpl")
-        body = build(new_id(prefix), family, out["text"], out["finish_reason"], out["prompt_tokens"],
-                     out["completion_tokens"], _logprobs(routed, out["logprobs"]))
+        text, logprobs = out["text"], _logprobs(routed, out["logprobs"])
+        if not chat and routed.req.echo:  # the prompt first, in the text and the logprobs
+            text = routed.req.prompt + text
+            if logprobs is not None:
+                logprobs = completion_logprobs(out["logprobs"], out["prompt_logprobs"], len(routed.req.prompt))
+        body = build(new_id(prefix), family, text, out["finish_reason"], out["prompt_tokens"],
+                     out["completion_tokens"], logprobs)
         return JSONResponse(body, headers=headers)
 
     async def _sse(self, routed: Routed, first: dict, events: AsyncIterator[dict], t0: float):
@@ -385,7 +390,8 @@ class Router:
         req = routed.req
         try:
             out = await self.workers[req.model].generate.remote(req.prompt, req.sampling(), routed.hit is not None,
-                                                                routed.hit.subset if routed.hit else None)
+                                                                routed.hit.subset if routed.hit else None,
+                                                                req.echo)
         except Exception as e:
             raise _unavailable(req.model, e)
         if out["event"] == "error":

@@ -112,11 +112,22 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    """OpenAI-shaped completion request. Fields OpenAI has and we don't (echo, best_of, ...) are refused, so a
-    client never silently gets something other than what it asked for."""
+    """OpenAI-shaped completion request. Fields OpenAI has and we don't (best_of, suffix, ...) are refused, so a
+    client never silently gets something other than what it asked for. `echo` with `logprobs` and `max_tokens: 0`
+    scores a text (each token's logprob given those before it), as evaluation harnesses ask."""
 
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each token's and the n most likely tokens' logprobs
+    echo: bool = False  # the reply's text (and logprobs) start with the prompt's
+    max_tokens: int = Field(16, ge=0)  # 0 only with echo: score the prompt, generate nothing
+
+    @model_validator(mode="after")
+    def _echo_rules(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is only allowed with echo: true (to score the prompt)")
+        if self.echo and self.stream:
+            raise ValueError("echo is not served with stream: true; ask without streaming")
+        return self
 
     @field_validator("logprobs", mode="before")
     @classmethod
@@ -125,7 +136,7 @@ class CompletionRequest(_Request):
 
     def sampling(self) -> dict[str, Any]:
         """What the worker needs to build `SamplingParams` (a plain dict: it crosses process boundaries)."""
-        return dict(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+        return dict(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,  # 0: echo only
                     top_k=self.top_k, seed=self.seed, stop=tuple(self.stop), ignore_eos=self.ignore_eos,
                     logprobs=self.logprobs)
 
@@ -242,6 +253,9 @@ def parse_request(body: bytes | str | dict, kind: type[_Request] = CompletionReq
         msg = err["msg"]
         if err["type"] == "value_error":  # our own validators' messages, without pydantic's "Value error, "
             msg = str(err["ctx"]["error"])
+            field = msg.split(": ", 1)[0]
+            if param is None and field in kind.model_fields:  # a model check's message names its field first
+                param, msg = field, msg.split(": ", 1)[1]
         elif err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
             msg = "unknown field (supported: " + ", ".join(kind.model_fields) + ")"
         elif err["type"] == "extra_forbidden":
@@ -296,12 +310,17 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
                 total_tokens=prompt_tokens + completion_tokens)
 
 
-def completion_logprobs(entries: list[dict]) -> dict[str, list]:
+def completion_logprobs(entries: list[dict], prompt_entries: list[dict] | None = None,
+                        prompt_chars: int = 0) -> dict[str, list]:
     """The worker's per-token entries ({"token", "logprob", "bytes", "offset", "top"}) -> a completion choice's
-    `logprobs` (text_offset counts from the completion's start)."""
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t: lp for t, lp, _ in e["top"]} for e in entries],
-            "text_offset": [e["offset"] for e in entries]}
+    `logprobs` (text_offset counts from the completion's start). With echo the prompt's entries come first and
+    the completion's offsets move past the prompt's `prompt_chars`; a first token nothing predicts has null
+    logprob and top_logprobs, as OpenAI's."""
+    moved = [{**e, "offset": e["offset"] + prompt_chars} for e in entries] if prompt_chars else entries
+    every = (prompt_entries or []) + moved
+    return {"tokens": [e["token"] for e in every], "token_logprobs": [e["logprob"] for e in every],
+            "top_logprobs": [None if e["logprob"] is None else {t: lp for t, lp, _ in e["top"]} for e in every],
+            "text_offset": [e["offset"] for e in every]}
 
 
 def chat_logprobs(entries: list[dict]) -> dict[str, list]:

@@ -9,7 +9,8 @@ dedicated thread, one decode step per hop, so the event loop stays free between 
 go on.
 
 Both calls produce the same events (plain dicts, they cross process boundaries):
-    {"event": "start", "prompt_tokens", "subset", "cached"}   or   {"event": "error", "status", "message", "param"}
+    {"event": "start", "prompt_tokens", "subset", "cached"[, "prompt_logprobs"]}
+                                                  or   {"event": "error", "status", "message", "param"}
     {"event": "token", "token_id", "text"[, "logprobs"]}         one per generated token; text may be "";
                                                                  "logprobs": the entries of the tokens whose
                                                                  text it releases, when asked for
@@ -83,7 +84,8 @@ def fold(events: list[dict]) -> dict[str, Any]:
                 token_ids=[e["token_id"] for e in tokens][: end["completion_tokens"]],
                 logprobs=[l for e in tokens for l in e.get("logprobs", ())],  # empty unless asked for
                 prompt_tokens=start["prompt_tokens"], completion_tokens=end["completion_tokens"],
-                finish_reason=end["finish_reason"], subset=start["subset"], cached=start["cached"])
+                finish_reason=end["finish_reason"], subset=start["subset"], cached=start["cached"],
+                prompt_logprobs=start.get("prompt_logprobs"))  # with echo + logprobs
 
 
 @serve.deployment(
@@ -151,8 +153,11 @@ class Worker:
 
     # ---- the two request paths --------------------------------------------------------------------------------
 
-    async def generate(self, prompt: str, sampling: dict[str, Any], cached: bool, subset: dict | None) -> dict:
-        async with contextlib.aclosing(self._run(prompt, sampling, cached, subset)) as events:
+    async def generate(self, prompt: str, sampling: dict[str, Any], cached: bool, subset: dict | None,
+                       echo: bool = False) -> dict:
+        """`echo` with logprobs: the start event (and the result) also carry the prompt's own entries; with
+        max_new_tokens 0 nothing is generated (the prompt is only scored)."""
+        async with contextlib.aclosing(self._run(prompt, sampling, cached, subset, echo)) as events:
             return fold([ev async for ev in events])
 
     async def stream(self, prompt: str, sampling: dict[str, Any], cached: bool,
@@ -172,15 +177,16 @@ class Worker:
             self._step_since = None
 
     async def _run(self, prompt: str, sampling: dict[str, Any], cached: bool,
-                   subset: dict | None) -> AsyncIterator[dict]:
+                   subset: dict | None, echo: bool = False) -> AsyncIterator[dict]:
         """One request: check it, queue it for a batch, pass on the events the batch loop gives it."""
         from rankserve.workers.sampler import SamplingParams
 
         t0 = time.monotonic()
         tags = {"family": self.family}
-        param = None
+        score_only = echo and sampling.get("max_new_tokens") == 0  # echo of a prompt, nothing generated
+        param = "max_tokens" if sampling.get("max_new_tokens", 1) <= 0 and not score_only else None
         try:  # the router validated already; these are the checks that need the model (and a guard)
-            params = SamplingParams(**sampling)
+            params = SamplingParams(**{**sampling, "max_new_tokens": 1} if score_only else sampling)
             param = "max_tokens"
             if params.max_new_tokens > self.spec.max_tokens:
                 raise ValueError(f"max_tokens: {params.max_new_tokens} is above this model's limit of {self.spec.max_tokens}")
@@ -192,7 +198,8 @@ class Worker:
             return
 
         cached, subset = self._checked_subset(cached, subset)
-        req = _Pending(prompt, params, n_prompt, cached, subset, t0, t0 + self.spec.request_timeout_s)
+        req = _Pending(prompt, params, n_prompt, cached, subset, t0, t0 + self.spec.request_timeout_s,
+                       echo=echo and params.logprobs is not None, score_only=score_only)
         self._pending.append(req)
         self._set_waiting()
         if self._batcher is None or self._batcher.done():  # the first request (or a new event loop, in tests)
@@ -270,12 +277,19 @@ class Worker:
                         req.subset = await self._call(self.engine.rank_subset, req.prompt)
                         if req.subset is not None:  # None: a static family, no routers ran
                             self.m_router_runs.inc(tags=tags)
+                    start = dict(event="start", prompt_tokens=req.n_prompt, subset=req.subset, cached=req.cached)
+                    if req.echo:  # the prompt's own logprobs, scored with the request's subset
+                        scored = await self._call(self.engine.prompt_logprobs, req.prompt, req.params.logprobs,
+                                                  req.subset)
+                        start["prompt_logprobs"] = [dataclasses.asdict(l) for l in scored]
                 except Exception as e:
                     self._fail(req, e)
                     continue
-                req.events.put_nowait(dict(event="start", prompt_tokens=req.n_prompt, subset=req.subset,
-                                           cached=req.cached))
-                live.append(req)
+                req.events.put_nowait(start)
+                if req.score_only:
+                    self._end(req, "length")
+                else:
+                    live.append(req)
             if not live:
                 return
             stream = await self._call(self.engine.stream_batch, [r.prompt for r in live], [r.params for r in live],
@@ -360,3 +374,5 @@ class _Pending:
     finish: str | None = None  # set once its end (or error) is queued
     n: int = 0  # completion tokens (a stop token not counted)
     t_first: float | None = None
+    echo: bool = False  # the start event carries the prompt's logprobs
+    score_only: bool = False  # nothing to generate (echo with max_tokens 0)

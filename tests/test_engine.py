@@ -64,6 +64,26 @@ def test_stream_batch_is_each_request_alone(engine):
         engine.stream_batch(prompts[:1], params[:1], [{"v": 1, "k": {}}])
 
 
+def test_prompt_logprobs_score_what_generation_produced(engine):
+    """Scoring prompt + completion (echo) gives the completion's tokens the logprobs and alternatives generation
+    reported, and the prompt's tokens spell the prompt with their offsets."""
+    prompt = "Once upon a time"
+    gen = engine.generate(prompt, SamplingParams(max_new_tokens=12, logprobs=3, ignore_eos=True))
+    p_ids = engine.tokenizer.encode(prompt)
+    assert engine.tokenizer.encode(prompt + gen.text) == p_ids + gen.token_ids  # the text round-trips
+    scored = engine.prompt_logprobs(prompt + gen.text, 3)
+    assert len(scored) == len(p_ids) - 1 + len(gen.token_ids)  # every token but the BOS
+    head, tail = scored[:len(p_ids) - 1], scored[len(p_ids) - 1:]
+    assert "".join(e.token for e in head) == prompt
+    assert [e.offset for e in head] == [len("".join(x.token for x in head[:i])) for i in range(len(head))]
+    assert all(e.logprob is not None and e.logprob <= 0 and len(e.top) == 3 for e in scored)
+    assert [e.token for e in tail] == [e.token for e in gen.logprobs]
+    assert [e.logprob for e in tail] == pytest.approx([e.logprob for e in gen.logprobs], abs=1e-4)
+    assert [[t for t, _, _ in e.top] for e in tail] == [[t for t, _, _ in e.top] for e in gen.logprobs]
+    assert [e.offset - len(prompt) for e in tail] == [e.offset for e in gen.logprobs]
+    assert engine.prompt_logprobs(prompt)[0].top == []  # top 0: no alternatives
+
+
 def test_stream_concatenates_to_generate(engine):
     sp = SamplingParams(max_new_tokens=30, stop=("park",))
     events = list(engine.stream("Once upon a time", sp))

@@ -38,8 +38,9 @@ def test_stop_string_or_list():
     ({"model": "svd-llm"}, "prompt", "field required"),
     ({**OK, "prompt": ""}, "prompt", "at least 1"),
     ({**OK, "prompt": ["a", "b"]}, "prompt", "valid string"),
-    ({**OK, "max_tokens": 0}, "max_tokens", "greater than 0"),
-    ({**OK, "max_tokens": -5}, "max_tokens", "greater than 0"),
+    ({**OK, "max_tokens": 0}, "max_tokens", "0 is only allowed with echo"),
+    ({**OK, "max_tokens": -5}, "max_tokens", "greater than or equal to 0"),
+    ({**OK, "echo": True, "stream": True}, None, "echo is not served with stream"),
     ({**OK, "max_tokens": 1.5}, "max_tokens", "integer"),
     ({**OK, "max_tokens": "many"}, "max_tokens", "integer"),
     ({**OK, "temperature": -0.1}, "temperature", "greater than or equal to 0"),
@@ -51,7 +52,7 @@ def test_stop_string_or_list():
     ({**OK, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
     ({**OK, "n": 2}, "n", "1"),
     ({**OK, "logprobs": 21}, "logprobs", "less than or equal to 20"),
-    ({**OK, "echo": True}, "echo", "unknown field"),
+    ({**OK, "best_of": 2}, "best_of", "unknown field"),
     ({**OK, "stream": "maybe"}, "stream", "boolean"),
 ])
 def test_bad_bodies(body, param, words):

@@ -231,6 +231,23 @@ def test_logprobs_are_the_clis(service, stub):
     assert [list(d) for d in lp["top_logprobs"]] == [[t for t, _, _ in e["top"]] for e in ref]
     assert lp["text_offset"] == [e["offset"] for e in ref]
 
+    # echo + max_tokens 0 scores a text (what evaluation harnesses send): prompt + the completion above gives the
+    # completion's tokens the logprobs generation reported
+    text = r.json()["choices"][0]["text"]
+    scored = post(service, {"model": "svd-llm", "prompt": PROMPT + text, "max_tokens": 0, "echo": True,
+                            "logprobs": 2})
+    assert scored.status_code == 200, scored.text
+    choice, n = scored.json()["choices"][0], len(lp["tokens"])
+    assert choice["text"] == PROMPT + text and scored.json()["usage"]["completion_tokens"] == 0
+    slp = choice["logprobs"]
+    assert "".join(slp["tokens"][:-n]) == PROMPT and slp["tokens"][-n:] == lp["tokens"]
+    assert slp["token_logprobs"][-n:] == pytest.approx(lp["token_logprobs"], abs=1e-4)
+    assert slp["text_offset"][-n:] == [o + len(PROMPT) for o in lp["text_offset"]]
+    echoed = post(service, {**body, "echo": True}).json()["choices"][0]  # echo while generating
+    assert echoed["text"] == PROMPT + text and echoed["logprobs"]["tokens"] == slp["tokens"]
+    assert echoed["logprobs"]["text_offset"] == slp["text_offset"]
+    assert post(service, {**body, "echo": True, "stream": True}).status_code == 400
+
     _, chunks = sse(service, body)  # each chunk carries its tokens' entries; together they are the whole list
     streamed = [c["choices"][0]["logprobs"] for c in chunks]
     assert sum((s["tokens"] for s in streamed), []) == lp["tokens"]
@@ -381,7 +398,7 @@ def test_bad_input_is_400_and_invalid_argument(service, stub, body, words):
 
 @pytest.mark.parametrize("raw", [b"{not json", b"[]", b'{"model": "svd-llm"}', b'{"model": "svd-llm", "prompt": 7}',
                                  b'{"model": "svd-llm", "prompt": "hi", "max_tokens": "lots"}',
-                                 b'{"model": "svd-llm", "prompt": "hi", "echo": true}',
+                                 b'{"model": "svd-llm", "prompt": "hi", "best_of": 2}',
                                  b"[" * 100_000,
                                  b'{"model": "svd-llm", "prompt": "hi", "max_tokens": ' + b"1" * 5000 + b"}",
                                  b'{"model": "svd-llm", "prompt": "hi", "seed": 18446744073709551616}'],

@@ -200,6 +200,28 @@ def test_fifo_beyond_the_batch_size():
     assert order == [0, 1, 2] and len({o["text"] for o in outs}) == 1
 
 
+def test_echo_scores_the_prompt(engine):
+    """echo + logprobs: the prompt's entries ride on the start event; max_new_tokens 0 generates nothing."""
+    w = make_worker()
+
+    async def go():
+        return await asyncio.gather(
+            w.generate(PROMPT, dict(max_new_tokens=0, logprobs=2), cached=False, subset=None, echo=True),
+            w.generate(PROMPT, {**greedy(3), "logprobs": 1}, cached=False, subset=None, echo=True),
+            w.generate(PROMPT, {**greedy(3), "logprobs": 1}, cached=False, subset=None),
+            w.generate(PROMPT, dict(max_new_tokens=0), cached=False, subset=None))
+
+    scored, echoed, plain, bad = asyncio.run(go())
+    ref = engine.prompt_logprobs(PROMPT, 2)
+    assert scored["completion_tokens"] == 0 and scored["text"] == "" and scored["token_ids"] == []
+    assert [(e["token"], e["offset"]) for e in scored["prompt_logprobs"]] == [(e.token, e.offset) for e in ref]
+    assert [e["logprob"] for e in scored["prompt_logprobs"]] == pytest.approx([e.logprob for e in ref], abs=1e-5)
+    assert [len(e["top"]) for e in scored["prompt_logprobs"]] == [2] * len(ref)
+    assert echoed["completion_tokens"] == 3 and len(echoed["prompt_logprobs"]) == len(ref)
+    assert echoed["token_ids"] == plain["token_ids"] and plain["prompt_logprobs"] is None
+    assert bad["event"] == "error" and bad["status"] == 400 and bad["param"] == "max_tokens"
+
+
 def test_model_version_is_stable(tmp_path):
     v = model_version(MODEL)
     assert v == model_version(MODEL) and ":" not in v and v.startswith("dense-")

@@ -36,7 +36,7 @@ class TokenLogprob:
     logits before temperature, top-k or top-p), so they don't depend on how the token was drawn."""
 
     token: str  # the token's text after the tokens before it (a SentencePiece leading space survives)
-    logprob: float
+    logprob: float | None  # None only for a prompt's first token without a BOS before it (nothing predicts it)
     bytes: list[int]  # the token's own bytes (exact where its text is part of a UTF-8 character)
     offset: int  # where its text starts in the generated text
     top: list[tuple[str, float, list[int]]]  # the `logprobs` most likely tokens: (text, logprob, bytes), best first
@@ -252,6 +252,51 @@ class Engine:
         for step in self._decode([row], subset):
             token, delta = step[0]
             yield StreamEvent(token, delta, row.finish, row.new_logprobs() if row.params.logprobs is not None else None)
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, prompt: str, top: int = 0, subset: dict | None = None) -> list[TokenLogprob]:
+        """Each prompt token's log-probability given the tokens before it, and the `top` most likely tokens at its
+        position (one teacher-forced forward; OpenAI's `echo` with `logprobs`). The BOS the engine prepends has no
+        entry; without a BOS the first token has no context and its logprob is None. `offset` counts characters
+        of the tokens' own text from the prompt's start. PARSE: scored with `subset` (None: the routers' choice)."""
+        ids = self.tokenizer.encode(prompt, bos=True)
+        if not ids:
+            raise ValueError("the prompt is empty and this tokenizer adds no BOS token: give at least one token")
+        if len(ids) > self.max_seq_len:
+            raise ValueError(f"prompt is {len(ids)} tokens; the context limit is {self.max_seq_len} tokens")
+        if self.routers is not None:
+            apply(self.model, [validate(subset, self.routers) if subset is not None else
+                               select(self.model, self.routers, ids)])
+        try:
+            lp = torch.log_softmax(self.model(torch.tensor([ids], device=self.device))[0].float(), -1)  # (S, V)
+        finally:
+            if self.routers is not None:
+                clear(self.model)
+        tok, skip = self.tokenizer, 1 if ids[0] == self.tokenizer.bos_id else 0
+        k = min(top, lp.shape[-1])
+        tops = torch.topk(lp[:-1], k) if k else None  # position i predicts token i + 1
+
+        def text(ctx: list[int], t: int) -> str:
+            before, full = tok.decode(ctx), tok.decode(ctx + [t])
+            return full[len(before):] if full.startswith(before) else tok.decode([t])
+
+        def floor(v: float) -> float:
+            return v if v > LOGPROB_FLOOR else LOGPROB_FLOOR  # -inf and NaN -> the floor, as generated tokens'
+
+        out, offset = [], 0
+        for i in range(skip, len(ids)):
+            ctx = ids[max(skip, i - 4):i]  # each token's text read after the tokens before it (a leading space)
+            t_text = text(ctx, ids[i])
+            if i == 0:  # no context: nothing predicts it
+                out.append(TokenLogprob(t_text, None, list(tok.token_bytes(ids[i])), offset, []))
+            else:
+                alts = [] if tops is None else [
+                    (text(ctx, a), floor(v), list(tok.token_bytes(a)))
+                    for a, v in zip(tops.indices[i - 1].tolist(), tops.values[i - 1].tolist())]
+                out.append(TokenLogprob(t_text, floor(float(lp[i - 1, ids[i]])), list(tok.token_bytes(ids[i])),
+                                        offset, alts))
+            offset += len(t_text)
+        return out
 
     def stream_batch(self, prompts: list[str], params: list[SamplingParams],
                      subsets: list[dict | None] | None = None) -> "BatchStream":
