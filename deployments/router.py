@@ -15,6 +15,7 @@ DEADLINE_EXCEEDED, queue full or replica lost 503 / UNAVAILABLE; only our own bu
 """
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -32,7 +33,7 @@ from ray.serve.handle import DeploymentHandle
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from rankserve.deployments.auth import ApiKeys
-from rankserve.deployments.schemas import (ChatRequest, CompletionRequest, FamilyLimits, RequestError,
+from rankserve.deployments.schemas import (ChatRequest, Choice, CompletionRequest, FamilyLimits, RequestError,
                                            chat_chunk_body, chat_completion_body, chat_logprobs, check_request,
                                            chunk_body, completion_body, completion_logprobs, error_body, from_proto,
                                            new_id, parse_request, usage, usage_chunk_body)
@@ -73,6 +74,7 @@ class Routed:
     overhead_s: float  # embed + cache lookup
     lookup_s: float  # cache lookup alone
     chat: bool = False  # came in as a chat request: answered in chat shapes
+    write_back: bool = True  # a miss writes the worker's subset back (the first choice of its prompt only)
 
 
 # Helpers sit above the class: @serve.ingress pickles the FastAPI routes by value while the module is still
@@ -93,6 +95,18 @@ def _proto_logprobs(entries: list[dict]) -> list[pb.TokenLogprob]:
     return [pb.TokenLogprob(token=e["token"], logprob=e["logprob"], bytes=bytes(e["bytes"]), text_offset=e["offset"],
                             top_logprobs=[pb.TopLogprob(token=t, logprob=lp, bytes=bytes(b)) for t, lp, b in e["top"]])
             for e in entries]
+
+
+async def _gather_or_cancel(aws: list) -> list:
+    """Await all; on the first failure cancel the rest (their workers stop) and raise it."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def _unavailable(family: str, e: Exception) -> Failure:
@@ -171,77 +185,102 @@ class Router:
         try:
             self._authorize(request.headers.items())
             routed = await self._route(await request.body(), chat)
-            family = routed.req.model
-            headers = {"x-rankserve-rank-cache": "hit" if routed.hit else "miss",
-                       "x-rankserve-overhead-ms": f"{routed.overhead_s * 1e3:.3f}",
-                       "x-rankserve-lookup-ms": f"{routed.lookup_s * 1e3:.3f}"}
-            if routed.req.stream:
-                events = self._events(routed)
-                first = await anext(events)  # errors before the first token still get a proper status
-                return StreamingResponse(self._sse(routed, first, events, t0), media_type="text/event-stream",
+            family = routed[0].req.model
+            prompts = [r for r in routed if r.write_back]  # one per prompt
+            headers = {"x-rankserve-rank-cache": ",".join("hit" if r.hit else "miss" for r in prompts),
+                       "x-rankserve-overhead-ms": f"{max(r.overhead_s for r in prompts) * 1e3:.3f}",
+                       "x-rankserve-lookup-ms": f"{max(r.lookup_s for r in prompts) * 1e3:.3f}"}
+            if routed[0].req.stream:
+                streams = [self._events(r) for r in routed]
+                try:  # errors before the first token still get a proper status
+                    firsts = await _gather_or_cancel([anext(s) for s in streams])
+                except BaseException:
+                    await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+                    raise
+                return StreamingResponse(self._sse(routed, firsts, streams, t0), media_type="text/event-stream",
                                          headers=headers)
-            out = await self._generate(routed)
+            outs = await _gather_or_cancel([self._generate(r) for r in routed])
         except Failure as f:
             self._count(family, "http", f.status, t0)
             return JSONResponse(error_body(f.message, ERROR_TYPE[f.status], f.param), status_code=f.status,
                                 headers={"www-authenticate": "Bearer"} if f.status == 401 else None)
         self._count(family, "http", 200, t0)
+        choices = []
+        for r, out in zip(routed, outs):
+            text, logprobs = out["text"], _logprobs(r, out["logprobs"])
+            if not chat and r.req.echo:  # the prompt first, in the text and the logprobs
+                text = r.req.prompt + text
+                if logprobs is not None:
+                    logprobs = completion_logprobs(out["logprobs"], out["prompt_logprobs"], len(r.req.prompt))
+            choices.append(Choice(text, out["finish_reason"], logprobs))
         build, prefix = (chat_completion_body, "chatcmpl") if chat else (completion_body, "cmpl")
-        text, logprobs = out["text"], _logprobs(routed, out["logprobs"])
-        if not chat and routed.req.echo:  # the prompt first, in the text and the logprobs
-            text = routed.req.prompt + text
-            if logprobs is not None:
-                logprobs = completion_logprobs(out["logprobs"], out["prompt_logprobs"], len(routed.req.prompt))
-        body = build(new_id(prefix), family, text, out["finish_reason"], out["prompt_tokens"],
-                     out["completion_tokens"], logprobs)
+        n_prompt = sum(out["prompt_tokens"] for r, out in zip(routed, outs) if r.write_back)  # once per prompt
+        body = build(new_id(prefix), family, choices, n_prompt, sum(out["completion_tokens"] for out in outs))
         return JSONResponse(body, headers=headers)
 
-    async def _sse(self, routed: Routed, first: dict, events: AsyncIterator[dict], t0: float):
-        """Server-sent events: one chunk per released piece of text (chat: after a chunk naming the role), then the
-        finish chunk (with the usage), the usage chunk if stream_options asked for it, and [DONE]. With logprobs,
-        each chunk carries the entries of the tokens since the previous one (a token held back for a possible stop
-        string goes out with the text that releases it)."""
-        chat, family, n_prompt = routed.chat, routed.req.model, first["prompt_tokens"]
+    async def _sse(self, routed: list[Routed], firsts: list[dict], streams: list[AsyncIterator[dict]], t0: float):
+        """Server-sent events: one chunk per released piece of text (chat: after a chunk naming the role), then
+        each choice's finish chunk, the usage (on the last finish chunk, or as OpenAI's extra chunk when
+        stream_options asks for it), and [DONE]. Several choices (n, a list of prompts) interleave, each chunk
+        naming its choice's `index`. With logprobs, each chunk carries the entries of its tokens since the
+        previous one (a token held back for a possible stop string goes out with the text that releases it)."""
+        req, chat, family = routed[0].req, routed[0].chat, routed[0].req.model
         id = new_id("chatcmpl" if chat else "cmpl")
         tags = {"family": family, "protocol": "http"}
         first_token, status = True, 200
-        pending: list[dict] = []  # logprob entries not sent yet
+        n_prompt = sum(f["prompt_tokens"] for r, f in zip(routed, firsts) if r.write_back)
+        pending: list[list[dict]] = [[] for _ in routed]  # per choice: logprob entries not sent yet
+        completion, left = 0, len(routed)
 
-        def chunk(text: str, finish_reason: str | None = None, usage_: dict | None = None) -> str:
-            lp = _logprobs(routed, pending)
-            pending.clear()
+        def chunk(i: int, text: str, finish_reason: str | None = None, usage_: dict | None = None) -> str:
+            lp = _logprobs(routed[i], pending[i])
+            pending[i] = []
             if not chat:
-                return _sse_line(chunk_body(id, family, text, finish_reason, usage_, lp))
+                return _sse_line(chunk_body(id, family, text, finish_reason, usage_, lp, i))
             return _sse_line(chat_chunk_body(id, family, {"content": text} if text else {}, finish_reason, usage_,
-                                             lp))
+                                             lp, i))
 
+        nexts: dict[int, asyncio.Future] = {}
         try:
             if chat:
-                yield _sse_line(chat_chunk_body(id, family, {"role": "assistant", "content": ""}))
-            async for ev in events:
-                if ev["event"] == "token":
-                    pending.extend(ev.get("logprobs", ()))
-                    if not ev["text"]:
+                for i in range(len(routed)):
+                    yield _sse_line(chat_chunk_body(id, family, {"role": "assistant", "content": ""}, index=i))
+            nexts = {i: asyncio.ensure_future(anext(s)) for i, s in enumerate(streams)}
+            while nexts:
+                done, _ = await asyncio.wait(nexts.values(), return_when=asyncio.FIRST_COMPLETED)
+                for i in [i for i, f in nexts.items() if f in done]:
+                    try:
+                        ev = nexts.pop(i).result()
+                    except StopAsyncIteration:
                         continue
-                    if first_token:
-                        self.m_ttft.observe(time.perf_counter() - t0, tags=tags)
-                        first_token = False
-                    yield chunk(ev["text"])
-                elif ev["event"] == "end":
-                    total = usage(n_prompt, ev["completion_tokens"])  # on the finish chunk, or (as OpenAI
-                    yield chunk("", ev["finish_reason"], None if routed.req.include_usage else total)  # asked) after
-                    if routed.req.include_usage:
-                        obj = "chat.completion.chunk" if chat else "text_completion"
-                        yield _sse_line(usage_chunk_body(id, family, obj, total))
+                    nexts[i] = asyncio.ensure_future(anext(streams[i]))
+                    if ev["event"] == "token":
+                        pending[i].extend(ev.get("logprobs", ()))
+                        if not ev["text"]:
+                            continue
+                        if first_token:
+                            self.m_ttft.observe(time.perf_counter() - t0, tags=tags)
+                            first_token = False
+                        yield chunk(i, ev["text"])
+                    elif ev["event"] == "end":
+                        completion, left = completion + ev["completion_tokens"], left - 1
+                        total = usage(n_prompt, completion) if left == 0 and not req.include_usage else None
+                        yield chunk(i, "", ev["finish_reason"], total)  # the last finish chunk carries the usage
+            if req.include_usage:  # as OpenAI: one more chunk, no choices, the request's usage
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                yield _sse_line(usage_chunk_body(id, family, obj, usage(n_prompt, completion)))
             yield "data: [DONE]\n\n"
         except Failure as f:  # mid-stream: the status line is sent, so report in-band
             status = f.status
             yield _sse_line(error_body(f.message, ERROR_TYPE[f.status]))
         except (asyncio.CancelledError, GeneratorExit):
-            status = 499  # client closed the connection; the worker stops at its next token
+            status = 499  # client closed the connection; the workers stop at their next token
             raise
         finally:
-            await events.aclose()
+            for f in nexts.values():  # a stream still running (client gone, or another choice failed): stop it
+                f.cancel()
+            await asyncio.gather(*nexts.values(), return_exceptions=True)
+            await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
             self._count(family, "http", status, t0)
 
     @api.get("/v1/models")
@@ -293,7 +332,7 @@ class Router:
         family = "-"
         try:
             self._authorize(grpc_context.invocation_metadata())
-            routed = await self._route(from_proto(request), chat)
+            (routed,) = await self._route(from_proto(request), chat)  # gRPC: one prompt, one choice
             family = routed.req.model
             out = await self._generate(routed)
         except Failure as f:
@@ -314,7 +353,7 @@ class Router:
         family, status, id, events = "-", 200, new_id("chatcmpl" if chat else "cmpl"), None
         try:
             self._authorize(grpc_context.invocation_metadata())
-            routed = await self._route(from_proto(request), chat)
+            (routed,) = await self._route(from_proto(request), chat)  # gRPC: one prompt, one choice
             family = routed.req.model
             tags = {"family": family, "protocol": "grpc"}
             events = self._events(routed)
@@ -356,8 +395,9 @@ class Router:
             raise Failure(401, "missing or invalid API key: send 'Authorization: Bearer <key>' "
                                "(gRPC: metadata 'authorization')")
 
-    async def _route(self, body: bytes | dict[str, Any], chat: bool = False) -> Routed:
-        """Validate (the one validation of both protocols), render a chat, embed, look up the rank cache."""
+    async def _route(self, body: bytes | dict[str, Any], chat: bool = False) -> list[Routed]:
+        """Validate (the one validation of both protocols), render a chat, then one Routed per choice (prompt-major,
+        then n): each prompt embedded and looked up in the rank cache once, its n choices sharing the outcome."""
         try:
             req = parse_request(body, ChatRequest if chat else CompletionRequest)
             limits = check_request(req, self.limits)
@@ -369,6 +409,13 @@ class Router:
                 req = req.to_completion(self.templates[req.model], limits)
             except RequestError as e:
                 raise Failure(400, e.message, e.param) from None
+        choices = req.choices()
+        looked = await asyncio.gather(*(self._lookup(c, version, chat) for c in choices[::req.n]))
+        return [dataclasses.replace(looked[i // req.n], req=c, write_back=i % req.n == 0)
+                for i, c in enumerate(choices)]
+
+    async def _lookup(self, req: CompletionRequest, version: str, chat: bool) -> Routed:
+        """Embed one prompt and look it up in the rank cache."""
         t0 = time.perf_counter()
         # the embedder reads a prompt's start; a chat's start is often the same system prompt and history, and
         # what sets this request apart is its last turn: the rendered conversation's tail is its key
@@ -396,7 +443,7 @@ class Router:
             raise _unavailable(req.model, e)
         if out["event"] == "error":
             raise Failure(out["status"], out["message"], out["param"])
-        if routed.hit is None:
+        if routed.hit is None and routed.write_back:
             self._write_back(routed, out["subset"])
         if out["finish_reason"] == "timeout":
             raise Failure(408, f"the request passed the {req.model} request timeout after "
@@ -413,7 +460,7 @@ class Router:
             async for ev in gen:
                 if ev["event"] == "error":
                     raise Failure(ev["status"], ev["message"], ev["param"])
-                if ev["event"] == "start" and routed.hit is None:
+                if ev["event"] == "start" and routed.hit is None and routed.write_back:
                     self._write_back(routed, ev["subset"])
                 yield ev
             done = True

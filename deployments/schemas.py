@@ -29,6 +29,7 @@ from rankserve.workers.sampler import MAX_LOGPROBS, MIN_TEMPERATURE  # MIN: smal
 
 MAX_STOP = 4  # OpenAI's limit on stop strings
 MAX_PROMPT_CHARS = 1_000_000  # refuse absurd bodies before tokenizing them; the token limit is the real bound
+MAX_CHOICES = 16  # prompts x n per request: each choice is one generation on the family's workers
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1  # the proto's int64 seed, and what torch.Generator.manual_seed takes
 
 
@@ -61,7 +62,7 @@ class _Request(BaseModel):
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP)
     stream: bool = False
     stream_options: StreamOptions | None = None  # only with stream: true, as OpenAI
-    n: Literal[1] = 1  # one choice per request
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices per prompt; sample j of a seeded request uses seed + j
     user: str | None = None  # accepted for OpenAI clients, unused
 
     @model_validator(mode="before")
@@ -101,10 +102,16 @@ class _Request(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return v
 
-    @field_validator("max_tokens", "top_k", "seed", mode="before")
+    @field_validator("max_tokens", "top_k", "seed", "n", mode="before")
     @classmethod
     def _no_float_ints(cls, v: Any) -> Any:
         return _integer(v)
+
+    def seed_of(self, j: int) -> int | None:
+        """The seed of choice j among n (distinct samples, each reproducible); None stays None."""
+        if self.seed is None or j == 0:
+            return self.seed
+        return self.seed + j if self.seed + j <= INT64_MAX else self.seed - j
 
     @property
     def include_usage(self) -> bool:
@@ -116,10 +123,25 @@ class CompletionRequest(_Request):
     client never silently gets something other than what it asked for. `echo` with `logprobs` and `max_tokens: 0`
     scores a text (each token's logprob given those before it), as evaluation harnesses ask."""
 
-    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    prompt: str | list[str]  # a list: one completion per prompt (choices prompt-major, then n), batched together
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each token's and the n most likely tokens' logprobs
     echo: bool = False  # the reply's text (and logprobs) start with the prompt's
     max_tokens: int = Field(16, ge=0)  # 0 only with echo: score the prompt, generate nothing
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompts(cls, v: Any) -> Any:
+        items = v if isinstance(v, list) else [v]
+        if not items:
+            raise ValueError("an empty list of prompts")
+        for p in items:
+            if not isinstance(p, str):  # token-id prompts are not served: send text
+                raise ValueError(f"each prompt must be a string (text), got {type(p).__name__}")
+            if not p:
+                raise ValueError("a prompt must not be empty")
+            if len(p) > MAX_PROMPT_CHARS:
+                raise ValueError(f"a prompt is longer than {MAX_PROMPT_CHARS} characters")
+        return v
 
     @model_validator(mode="after")
     def _echo_rules(self):
@@ -127,7 +149,18 @@ class CompletionRequest(_Request):
             raise ValueError("max_tokens: 0 is only allowed with echo: true (to score the prompt)")
         if self.echo and self.stream:
             raise ValueError("echo is not served with stream: true; ask without streaming")
+        if len(self.prompts) * self.n > MAX_CHOICES:
+            raise ValueError(f"{len(self.prompts)} prompts x n = {self.n} is more than {MAX_CHOICES} choices a request")
         return self
+
+    @property
+    def prompts(self) -> list[str]:
+        return self.prompt if isinstance(self.prompt, list) else [self.prompt]
+
+    def choices(self) -> list["CompletionRequest"]:
+        """One single-prompt, n = 1 request per choice, in the response's order (prompt-major, then n)."""
+        return [self.model_copy(update={"prompt": p, "n": 1, "seed": self.seed_of(j)})
+                for p in self.prompts for j in range(self.n)]
 
     @field_validator("logprobs", mode="before")
     @classmethod
@@ -332,35 +365,46 @@ def chat_logprobs(entries: list[dict]) -> dict[str, list]:
                         for e in entries]}
 
 
-def completion_body(id: str, model: str, text: str, finish_reason: str, prompt_tokens: int,
-                    completion_tokens: int, logprobs: dict | None = None) -> dict[str, Any]:
+@dataclass
+class Choice:
+    """One choice of a reply: its text, why it ended, and its logprobs in the request's shape (None: not asked)."""
+
+    text: str
+    finish_reason: str
+    logprobs: dict | None = None
+
+
+def completion_body(id: str, model: str, choices: list[Choice], prompt_tokens: int,
+                    completion_tokens: int) -> dict[str, Any]:
     return {"id": id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}],
+            "choices": [{"text": c.text, "index": i, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+                        for i, c in enumerate(choices)],
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def chunk_body(id: str, model: str, text: str, finish_reason: str | None = None,
-               usage_: dict[str, int] | None = None, logprobs: dict | None = None) -> dict[str, Any]:
+               usage_: dict[str, int] | None = None, logprobs: dict | None = None, index: int = 0) -> dict[str, Any]:
     body = {"id": id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if usage_ is not None:
         body["usage"] = usage_
     return body
 
 
-def chat_completion_body(id: str, model: str, text: str, finish_reason: str, prompt_tokens: int,
-                         completion_tokens: int, logprobs: dict | None = None) -> dict[str, Any]:
+def chat_completion_body(id: str, model: str, choices: list[Choice], prompt_tokens: int,
+                         completion_tokens: int) -> dict[str, Any]:
     return {"id": id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                         "finish_reason": finish_reason}],
+            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": c.logprobs,
+                         "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def chat_chunk_body(id: str, model: str, delta: dict[str, str], finish_reason: str | None = None,
-                    usage_: dict[str, int] | None = None, logprobs: dict | None = None) -> dict[str, Any]:
+                    usage_: dict[str, int] | None = None, logprobs: dict | None = None,
+                    index: int = 0) -> dict[str, Any]:
     """A `chat.completion.chunk`: delta {"role": "assistant"} first, then {"content": ...}, then {} + finish_reason."""
     body = {"id": id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if usage_ is not None:
         body["usage"] = usage_
     return body

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from rankserve.deployments.schemas import (ChatRequest, FamilyLimits, RequestError, chat_chunk_body,
+from rankserve.deployments.schemas import (ChatRequest, Choice, FamilyLimits, RequestError, chat_chunk_body,
                                            chat_completion_body, check_request, parse_request)
 from rankserve.workers.chat import PLAIN_STOP, ChatError, ChatTemplate, read_chat_template
 from rankserve.workers.checkpoint import CheckpointError
@@ -149,7 +149,7 @@ def test_chat_over_the_limit_and_template_refusal():
 
 
 def test_chat_response_shapes():
-    body = chat_completion_body("chatcmpl-1", "svd-llm", "Hello", "stop", 5, 2)
+    body = chat_completion_body("chatcmpl-1", "svd-llm", [Choice("Hello", "stop")], 5, 2)
     assert body["object"] == "chat.completion"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello"}
     assert body["usage"]["total_tokens"] == 7

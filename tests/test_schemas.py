@@ -24,6 +24,17 @@ def test_defaults_are_openai_s():
                                ignore_eos=False, logprobs=None)
 
 
+def test_choices_of_prompts_and_n():
+    r = parse_request({**OK, "prompt": ["a", "b"], "n": 3, "seed": 7})
+    cs = r.choices()
+    assert [(c.prompt, c.seed, c.n) for c in cs] == [("a", 7, 1), ("a", 8, 1), ("a", 9, 1),
+                                                    ("b", 7, 1), ("b", 8, 1), ("b", 9, 1)]
+    assert [c.seed for c in parse_request({**OK, "n": 2}).choices()] == [None, None]  # unseeded stays unseeded
+    top = 2**63 - 1
+    assert [c.seed for c in parse_request({**OK, "n": 2, "seed": top}).choices()] == [top, top - 1]
+    assert parse_request(OK).choices()[0].prompt == OK["prompt"]
+
+
 def test_stop_string_or_list():
     assert parse_request({**OK, "stop": "\n"}).stop == ["\n"]
     assert parse_request({**OK, "stop": ["a", "b"]}).stop == ["a", "b"]
@@ -36,8 +47,11 @@ def test_stop_string_or_list():
     (b"\xff\xfe", None, "not valid JSON"),
     ({"prompt": "x"}, "model", "field required"),
     ({"model": "svd-llm"}, "prompt", "field required"),
-    ({**OK, "prompt": ""}, "prompt", "at least 1"),
-    ({**OK, "prompt": ["a", "b"]}, "prompt", "valid string"),
+    ({**OK, "prompt": ""}, "prompt", "must not be empty"),
+    ({**OK, "prompt": ["a", ""]}, "prompt", "must not be empty"),
+    ({**OK, "prompt": []}, "prompt", "empty list"),
+    ({**OK, "prompt": [1, 2, 3]}, "prompt", "must be a string"),  # token ids: not served
+    ({**OK, "prompt": ["a"] * 9, "n": 2}, None, "more than 16 choices"),
     ({**OK, "max_tokens": 0}, "max_tokens", "0 is only allowed with echo"),
     ({**OK, "max_tokens": -5}, "max_tokens", "greater than or equal to 0"),
     ({**OK, "echo": True, "stream": True}, None, "echo is not served with stream"),
@@ -50,7 +64,9 @@ def test_stop_string_or_list():
     ({**OK, "top_k": -1}, "top_k", "greater than or equal to 0"),
     ({**OK, "stop": ["a", ""]}, "stop", "non-empty"),
     ({**OK, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
-    ({**OK, "n": 2}, "n", "1"),
+    ({**OK, "n": 0}, "n", "greater than or equal to 1"),
+    ({**OK, "n": 17}, "n", "less than or equal to 16"),
+    ({**OK, "n": 1.5}, "n", "integer"),
     ({**OK, "logprobs": 21}, "logprobs", "less than or equal to 20"),
     ({**OK, "best_of": 2}, "best_of", "unknown field"),
     ({**OK, "stream": "maybe"}, "stream", "boolean"),

@@ -98,7 +98,7 @@ def sse(service, body) -> tuple[str, list[dict]]:
         lines = [l for l in r.iter_lines() if l]
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(l[len("data: "):]) for l in lines[:-1]]
-    return "".join(c["choices"][0]["text"] for c in chunks), chunks
+    return "".join(c["choices"][0]["text"] for c in chunks if c["choices"]), chunks
 
 
 def metric(service, name: str, **labels) -> float:
@@ -278,6 +278,44 @@ def test_logprobs_are_the_clis(service, stub):
                                     temperature=0, logprobs=2), metadata=GRPC_AUTH, timeout=60)
     assert [(e.token, list(e.bytes)) for e in chat.logprobs] == [(e["token"], e["bytes"]) for e in content]
     assert [e.logprob for e in chat.logprobs] == pytest.approx([e["logprob"] for e in content], abs=1e-6)
+
+
+def test_several_prompts_and_n_choices(service):
+    """A list of prompts and n > 1: one choice per prompt and sample (prompt-major), each the text its own request
+    gets (greedy: every sample alike; seeded: sample j is seed + j's), usage counting each prompt once; streamed,
+    chunks name their choice's index and together give the same texts."""
+    family = "svd-llm"
+    prompts = [PROMPT, "The little dog ran to the park."]
+    alone = [post(service, {"model": family, "prompt": p, "max_tokens": 8, "temperature": 0}).json() for p in prompts]
+    body = {"model": family, "prompt": prompts, "n": 2, "max_tokens": 8, "temperature": 0}
+    r = post(service, body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in out["choices"]] == [a["choices"][0]["text"] for a in alone for _ in range(2)]
+    assert out["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    assert out["usage"]["completion_tokens"] == 2 * sum(a["usage"]["completion_tokens"] for a in alone)
+    assert r.headers["x-rankserve-rank-cache"].count(",") == 1  # one outcome per prompt
+
+    _, chunks = sse(service, {**body, "stream_options": {"include_usage": True}})
+    texts = ["", "", "", ""]
+    for c in chunks[:-1]:
+        (ch,) = c["choices"]
+        texts[ch["index"]] += ch["text"]
+    assert texts == [c["text"] for c in out["choices"]]
+    assert sorted(c["choices"][0]["index"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]) \
+        == [0, 1, 2, 3]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == out["usage"]
+
+    seeded = {"model": family, "prompt": PROMPT, "n": 3, "max_tokens": 8, "temperature": 1.0, "seed": 11}
+    got = [c["text"] for c in post(service, seeded).json()["choices"]]
+    assert got == [post(service, {**seeded, "n": 1, "seed": 11 + j}).json()["choices"][0]["text"] for j in range(3)]
+    chat = httpx.post(service.http_url + "/v1/chat/completions", headers=AUTH, timeout=60,
+                      json={"model": family, "messages": [{"role": "user", "content": PROMPT}], "n": 2,
+                            "max_tokens": 6, "temperature": 0}).json()
+    assert [c["index"] for c in chat["choices"]] == [0, 1]
+    assert chat["choices"][0]["message"] == chat["choices"][1]["message"]
+    assert post(service, {**body, "n": 9}).status_code == 400  # 2 prompts x 9 > 16 choices
 
 
 def test_models_and_health(service):
