@@ -1,6 +1,8 @@
 """GPU smoke check of the engine on the small models (the bundled stories260K, the reference model, and svd-llm
 compressions of both): the fast decode path (per-kernel or one-launch) at B = 1 and 3 against the CPU fp32 engine,
-logprobs against a teacher-forced forward, and the cost of asking for logprobs.
+logprobs against a teacher-forced forward, the cost of asking for logprobs, the worker's batches
+(`Engine.stream_batch`: rows against each alone, 8 requests batched against one by one) and echo scoring
+(`Engine.prompt_logprobs` against the logprobs generation reported).
 
 CI runs the kernels under TRITON_INTERPRET=1, where tl.dot takes any shape and there is no L2 prefetch: this check
 is what found head_dim 8 failing to compile on the H200 (kernels/decode_attention.py, workers/fast_decode.py).
@@ -76,7 +78,59 @@ def check(model_dir: Path, prompts: list[str], n: int = 32) -> dict:
         times[f"logprobs={k}"] = round(statistics.median(ts), 4)
     res["ms_per_token_64_tokens_incl_prefill_median5"] = times
     res["one_launch"] = any(d.step_kernel is not None for d in gpu._decoders.values())
+    res["stream_batch"] = check_stream_batch(gpu, prompts)
+    res["prompt_logprobs"] = check_prompt_logprobs(gpu, prompts[0])
     return res
+
+
+def check_stream_batch(gpu: Engine, prompts: list[str]) -> dict:
+    """The worker's batches on the GPU: rows of different lengths, one stopped from outside at step 5, against each
+    prompt alone (greedy; a bf16 batch may part from B = 1 at a near-tie); then 8 requests of 64 tokens one after
+    another against one batch of 8 (what batching buys a replica)."""
+    lens = [32, 20, 12][:len(prompts)]
+    sps = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lens]
+    alone = [gpu.generate(p, sp).token_ids for p, sp in zip(prompts, sps)]
+    got: list[list[int]] = [[] for _ in prompts]
+    batch = gpu.stream_batch(prompts, sps)
+    for i, step in enumerate(batch):
+        for row, ev in zip(got, step):
+            if ev is not None:
+                row.append(ev.token_id)
+        if i == 4 and len(prompts) > 1:
+            batch.stop(1, "cancelled")
+    batch.close()
+    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(got, alone)]
+    eight = [prompts[i % len(prompts)] for i in range(8)]
+    sp = SamplingParams(max_new_tokens=64, ignore_eos=True)
+
+    def timed(fn) -> float:
+        ts = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    one_by_one = timed(lambda: [gpu.generate(p, sp) for p in eight])
+    batched = timed(lambda: [None for _ in gpu.stream_batch(eight, [sp] * 8)])
+    return dict(rows_tokens=[len(g) for g in got], first_mismatch_vs_alone=first,
+                eight_requests_of_64_tokens_s=dict(one_by_one=round(one_by_one, 4), one_batch=round(batched, 4),
+                                                   speedup=round(one_by_one / batched, 2)))
+
+
+def check_prompt_logprobs(gpu: Engine, prompt: str) -> dict:
+    """echo scoring on the GPU: prompt + a generated completion, scored in one forward, against the logprobs the
+    generation reported (bf16: the eager forward and the fast decode path round differently)."""
+    gen = gpu.generate(prompt, SamplingParams(max_new_tokens=32, logprobs=3, ignore_eos=True))
+    ids = gpu.tokenizer.encode(prompt)
+    if gpu.tokenizer.encode(prompt + gen.text) != ids + gen.token_ids:
+        return dict(round_trip=False)
+    tail = gpu.prompt_logprobs(prompt + gen.text, 3)[len(ids) - 1:]
+    return dict(round_trip=True, tokens_equal=[e.token for e in tail] == [e.token for e in gen.logprobs],
+                max_abs_logprob_diff=round(max(abs(a.logprob - b.logprob) for a, b in zip(tail, gen.logprobs)), 5),
+                top1_alternative_equal=sum(a.top[0][0] == b.top[0][0] for a, b in zip(tail, gen.logprobs)) / len(tail))
 
 
 def main(argv: list[str] | None = None) -> int:
