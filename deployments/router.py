@@ -192,12 +192,12 @@ class Router:
                        "x-rankserve-lookup-ms": f"{max(r.lookup_s for r in prompts) * 1e3:.3f}"}
             if routed[0].req.stream:
                 streams = [self._events(r) for r in routed]
-                try:  # errors before the first token still get a proper status
-                    firsts = await _gather_or_cancel([anext(s) for s in streams])
+                try:  # errors before the first choice starts still get a proper status; later ones go in-band
+                    first = await anext(streams[0])
                 except BaseException:
                     await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
                     raise
-                return StreamingResponse(self._sse(routed, firsts, streams, t0), media_type="text/event-stream",
+                return StreamingResponse(self._sse(routed, first, streams, t0), media_type="text/event-stream",
                                          headers=headers)
             outs = await _gather_or_cancel([self._generate(r) for r in routed])
         except Failure as f:
@@ -218,7 +218,7 @@ class Router:
         body = build(new_id(prefix), family, choices, n_prompt, sum(out["completion_tokens"] for out in outs))
         return JSONResponse(body, headers=headers)
 
-    async def _sse(self, routed: list[Routed], firsts: list[dict], streams: list[AsyncIterator[dict]], t0: float):
+    async def _sse(self, routed: list[Routed], first: dict, streams: list[AsyncIterator[dict]], t0: float):
         """Server-sent events: one chunk per released piece of text (chat: after a chunk naming the role), then
         each choice's finish chunk, the usage (on the last finish chunk, or as OpenAI's extra chunk when
         stream_options asks for it), and [DONE]. Several choices (n, a list of prompts) interleave, each chunk
@@ -228,7 +228,7 @@ class Router:
         id = new_id("chatcmpl" if chat else "cmpl")
         tags = {"family": family, "protocol": "http"}
         first_token, status = True, 200
-        n_prompt = sum(f["prompt_tokens"] for r, f in zip(routed, firsts) if r.write_back)
+        n_prompt = first["prompt_tokens"]  # choice 0's start event; each later prompt's comes in its stream
         pending: list[list[dict]] = [[] for _ in routed]  # per choice: logprob entries not sent yet
         completion, left = 0, len(routed)
 
@@ -254,7 +254,9 @@ class Router:
                     except StopAsyncIteration:
                         continue
                     nexts[i] = asyncio.ensure_future(anext(streams[i]))
-                    if ev["event"] == "token":
+                    if ev["event"] == "start" and routed[i].write_back:
+                        n_prompt += ev["prompt_tokens"]
+                    elif ev["event"] == "token":
                         pending[i].extend(ev.get("logprobs", ()))
                         if not ev["text"]:
                             continue
@@ -434,16 +436,20 @@ class Router:
         return Routed(req, version, vec, hit, t2 - t0, t2 - t1, chat)
 
     async def _generate(self, routed: Routed) -> dict[str, Any]:
+        """One whole generation. Cancelling this (a sibling choice failed, the client left) cancels the worker's."""
         req = routed.req
+        resp = self.workers[req.model].generate.remote(req.prompt, req.sampling(), routed.hit is not None,
+                                                       routed.hit.subset if routed.hit else None, req.echo)
         try:
-            out = await self.workers[req.model].generate.remote(req.prompt, req.sampling(), routed.hit is not None,
-                                                                routed.hit.subset if routed.hit else None,
-                                                                req.echo)
+            out = await resp
+        except asyncio.CancelledError:
+            resp.cancel()  # awaiting no more doesn't stop the worker: the request would hold a batch row
+            raise
         except Exception as e:
             raise _unavailable(req.model, e)
         if out["event"] == "error":
             raise Failure(out["status"], out["message"], out["param"])
-        if routed.hit is None and routed.write_back:
+        if not out["cached"] and routed.write_back:  # a miss, or a cached subset the worker could not use
             self._write_back(routed, out["subset"])
         if out["finish_reason"] == "timeout":
             raise Failure(408, f"the request passed the {req.model} request timeout after "
@@ -460,7 +466,7 @@ class Router:
             async for ev in gen:
                 if ev["event"] == "error":
                     raise Failure(ev["status"], ev["message"], ev["param"])
-                if ev["event"] == "start" and routed.hit is None and routed.write_back:
+                if ev["event"] == "start" and not ev["cached"] and routed.write_back:
                     self._write_back(routed, ev["subset"])
                 yield ev
             done = True

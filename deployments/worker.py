@@ -119,6 +119,7 @@ class Worker:
         self._pending: collections.deque[_Pending] = collections.deque()  # FIFO, not yet in a batch
         self._wake = asyncio.Event()
         self._batcher: asyncio.Task | None = None  # the batch loop, started by the first request
+        self._running: list[_Pending] = []  # the batch being decoded
         self._step_since: float | None = None  # when the running engine call started (health check)
         self._broken: str | None = None
 
@@ -202,9 +203,11 @@ class Worker:
                        echo=echo and params.logprobs is not None, score_only=score_only)
         self._pending.append(req)
         self._set_waiting()
-        if self._batcher is None or self._batcher.done():  # the first request (or a new event loop, in tests)
-            self._wake = asyncio.Event()
-            self._batcher = asyncio.create_task(self._batches())
+        loop = asyncio.get_running_loop()
+        if self._batcher is None or self._batcher.done() or self._batcher.get_loop() is not loop:
+            self._wake = asyncio.Event()  # the first request (or a new event loop, in tests)
+            self._batcher = loop.create_task(self._batches())
+            self._batcher.add_done_callback(self._batcher_ended)
         self._wake.set()
         try:
             while True:
@@ -243,6 +246,18 @@ class Worker:
                 log.warning("%s: ignoring a rank-cache subset (%s); routing the request afresh", self.family, e)
         return False, None
 
+    def _batcher_ended(self, task: asyncio.Task) -> None:
+        """The batch loop never returns; if it ends anyway (cancelled, a bug), no request may wait on it forever:
+        every unfinished one fails (the router answers 500)."""
+        for req in [*self._running, *self._pending]:
+            if req.finish is None:
+                req.finish = "error"
+                req.events.put_nowait(RuntimeError(f"the {self.family} replica's batch loop stopped"))
+        self._pending.clear()
+        self._running = []
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s: the batch loop failed", self.family, exc_info=task.exception())
+
     def _set_waiting(self) -> None:
         self.m_waiting.set(len(self._pending), tags={"family": self.family})
 
@@ -258,7 +273,9 @@ class Worker:
                     batch.append(req)
             self._set_waiting()
             if batch:
+                self._running = batch  # until it ends: what _batcher_ended fails if the loop dies meanwhile
                 await self._run_batch(batch)
+                self._running = []
             elif not self._pending:
                 self._wake.clear()
                 await self._wake.wait()
@@ -303,7 +320,9 @@ class Worker:
                     elif req.finish is None and now > req.deadline:
                         stream.stop(i, "timeout")
                         self._end(req, "timeout")
-                if all(r.finish is not None for r in live):
+                running = sum(r.finish is None for r in live)
+                self.m_running.set(running, tags=tags)
+                if not running:
                     break
                 step = await self._call(next, stream, None)
                 if step is None:  # the engine ended without a reason: count it as length

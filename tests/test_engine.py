@@ -84,6 +84,20 @@ def test_prompt_logprobs_score_what_generation_produced(engine):
     assert engine.prompt_logprobs(prompt)[0].top == []  # top 0: no alternatives
 
 
+def test_prompt_logprobs_in_pieces_equal_whole(engine, monkeypatch):
+    """The head applied to 3 positions at a time (a long prompt's pieces) gives the same entries."""
+    import rankserve.workers.engine as engine_module
+
+    text = "Once upon a time, there was a little girl named Lily. She loved to play outside."
+    whole = engine.prompt_logprobs(text, 2)
+    monkeypatch.setattr(engine_module, "PROMPT_CHUNK", 3)
+    pieces = engine.prompt_logprobs(text, 2)
+    assert [(e.token, e.offset, [t for t, _, _ in e.top]) for e in pieces] == \
+        [(e.token, e.offset, [t for t, _, _ in e.top]) for e in whole]
+    assert [e.logprob for e in pieces] == pytest.approx([e.logprob for e in whole], abs=1e-6)
+    assert len(engine.prompt_logprobs("Once", 1)) == 1  # one token after the BOS: one piece
+
+
 def test_stream_concatenates_to_generate(engine):
     sp = SamplingParams(max_new_tokens=30, stop=("park",))
     events = list(engine.stream("Once upon a time", sp))

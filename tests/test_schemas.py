@@ -51,7 +51,7 @@ def test_stop_string_or_list():
     ({**OK, "prompt": ["a", ""]}, "prompt", "must not be empty"),
     ({**OK, "prompt": []}, "prompt", "empty list"),
     ({**OK, "prompt": [1, 2, 3]}, "prompt", "must be a string"),  # token ids: not served
-    ({**OK, "prompt": ["a"] * 9, "n": 2}, None, "more than 16 choices"),
+    ({**OK, "prompt": ["a"] * 5, "n": 2}, None, "more than 8 choices"),
     ({**OK, "max_tokens": 0}, "max_tokens", "0 is only allowed with echo"),
     ({**OK, "max_tokens": -5}, "max_tokens", "greater than or equal to 0"),
     ({**OK, "echo": True, "stream": True}, None, "echo is not served with stream"),
@@ -65,7 +65,7 @@ def test_stop_string_or_list():
     ({**OK, "stop": ["a", ""]}, "stop", "non-empty"),
     ({**OK, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
     ({**OK, "n": 0}, "n", "greater than or equal to 1"),
-    ({**OK, "n": 17}, "n", "less than or equal to 16"),
+    ({**OK, "n": 9}, "n", "less than or equal to 8"),
     ({**OK, "n": 1.5}, "n", "integer"),
     ({**OK, "logprobs": 21}, "logprobs", "less than or equal to 20"),
     ({**OK, "best_of": 2}, "best_of", "unknown field"),

@@ -222,6 +222,22 @@ def test_echo_scores_the_prompt(engine):
     assert bad["event"] == "error" and bad["status"] == 400 and bad["param"] == "max_tokens"
 
 
+def test_a_dead_batch_loop_fails_its_requests():
+    """Should the batch loop itself end (a bug), its requests fail instead of waiting forever; the next request
+    starts a new loop."""
+    w = make_worker()
+    real = w._run_batch
+
+    async def broken(batch):
+        raise RuntimeError("a bug in the loop")
+
+    w._run_batch = broken
+    with pytest.raises(RuntimeError, match="batch loop stopped"):
+        asyncio.run(w.generate(PROMPT, greedy(4), cached=False, subset=None))
+    w._run_batch = real
+    assert asyncio.run(w.generate(PROMPT, greedy(4), cached=False, subset=None))["completion_tokens"] == 4
+
+
 def test_model_version_is_stable(tmp_path):
     v = model_version(MODEL)
     assert v == model_version(MODEL) and ":" not in v and v.startswith("dense-")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+import torch.nn.functional as F
 
 from rankserve.workers.align import GPU_ALIGN, pad_ranks
 from rankserve.workers.checkpoint import Manifest, load_checkpoint
@@ -27,6 +28,7 @@ from rankserve.workers.sampler import SamplingParams, sample
 from rankserve.workers.tokenizer import Tokenizer
 
 
+PROMPT_CHUNK = 256  # prompt positions per piece of the head when scoring a prompt (prompt_logprobs)
 LOGPROB_FLOOR = -9999.0  # what a -inf (or NaN) log-probability is reported as: JSON has no infinities
 
 
@@ -268,13 +270,26 @@ class Engine:
             apply(self.model, [validate(subset, self.routers) if subset is not None else
                                select(self.model, self.routers, ids)])
         try:
-            lp = torch.log_softmax(self.model(torch.tensor([ids], device=self.device))[0].float(), -1)  # (S, V)
+            h = self.model(torch.tensor([ids], device=self.device), head=False)[0]  # (S, hidden)
         finally:
             if self.routers is not None:
                 clear(self.model)
+        # the head in pieces: S x V fp32 logits at once would be GBs for a long prompt and a large vocabulary
+        k = min(top, self.cfg.vocab_size)
+        target = torch.tensor(ids[1:], device=self.device)
+        picked, top_v, top_i = [], [], []
+        for c in range(0, len(ids) - 1, PROMPT_CHUNK):  # position i predicts token i + 1
+            lp = torch.log_softmax(F.linear(h[c:c + PROMPT_CHUNK], self.model.head_weight()).float(), -1)
+            lp = lp[:len(ids) - 1 - c]
+            picked.append(lp.gather(1, target[c:c + len(lp), None])[:, 0])
+            if k:
+                t = torch.topk(lp, k)
+                top_v.append(t.values)
+                top_i.append(t.indices)
+        picked_l = torch.cat(picked).tolist() if picked else []
+        top_v_l = torch.cat(top_v).tolist() if top_v else []
+        top_i_l = torch.cat(top_i).tolist() if top_i else []
         tok, skip = self.tokenizer, 1 if ids[0] == self.tokenizer.bos_id else 0
-        k = min(top, lp.shape[-1])
-        tops = torch.topk(lp[:-1], k) if k else None  # position i predicts token i + 1
 
         def text(ctx: list[int], t: int) -> str:
             before, full = tok.decode(ctx), tok.decode(ctx + [t])
@@ -290,11 +305,9 @@ class Engine:
             if i == 0:  # no context: nothing predicts it
                 out.append(TokenLogprob(t_text, None, list(tok.token_bytes(ids[i])), offset, []))
             else:
-                alts = [] if tops is None else [
-                    (text(ctx, a), floor(v), list(tok.token_bytes(a)))
-                    for a, v in zip(tops.indices[i - 1].tolist(), tops.values[i - 1].tolist())]
-                out.append(TokenLogprob(t_text, floor(float(lp[i - 1, ids[i]])), list(tok.token_bytes(ids[i])),
-                                        offset, alts))
+                alts = [] if not k else [(text(ctx, a), floor(v), list(tok.token_bytes(a)))
+                                         for a, v in zip(top_i_l[i - 1], top_v_l[i - 1])]
+                out.append(TokenLogprob(t_text, floor(picked_l[i - 1]), list(tok.token_bytes(ids[i])), offset, alts))
             offset += len(t_text)
         return out
 

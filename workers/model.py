@@ -250,8 +250,10 @@ class Transformer(nn.Module):
 
     # --- forward ---------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
-                lengths: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
-        """tokens (B, S) -> logits (B, S, V) fp32, or (B, V) at each row's last real token if `last_only`.
+                lengths: torch.Tensor | None = None, last_only: bool = False, head: bool = True) -> torch.Tensor:
+        """tokens (B, S) -> logits (B, S, V) fp32, or (B, V) at each row's last real token if `last_only`;
+        `head=False`: the final normed hidden states instead (B, S, hidden), for callers that apply the head in
+        pieces.
 
         Without a cache every row starts at position 0. With a cache, row b's tokens go to positions
         cache.seqlens[b] .. + lengths[b] - 1, and the cache advances by `lengths` (default S).
@@ -286,7 +288,7 @@ class Transformer(nn.Module):
         if last_only:
             x = x[torch.arange(B, device=dev), (lengths.to(torch.int64) - 1).clamp(min=0)]  # (B, hidden)
         x = self.norm(x)
-        return F.linear(x, self.head_weight()).float()
+        return F.linear(x, self.head_weight()).float() if head else x
 
 
 def _group_key(group: str) -> str:
