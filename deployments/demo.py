@@ -1,9 +1,10 @@
-"""`make run`: the whole service on this machine, an HTTP, a gRPC and a chat request, the answers printed, clean exit.
+"""`make run`: the whole service on this machine, HTTP, gRPC, scoring and chat requests, the answers printed, clean exit.
 
 Builds the three local families from the bundled model if missing (`rankserve compress` and `rankserve train-parse`
 into .cache/models/), starts redis-server, a local Ray and Serve with configs/serve.local.yaml, asks each protocol for
-a greedy completion, asks the PARSE family for a chat reply (the bundled model has no chat template: a plain
-transcript), prints them, and shuts everything down. Set RANKSERVE_API_KEY to try it with auth on.
+a greedy completion, scores two continuations of the prompt (echo, max_tokens 0: their log-likelihoods), asks the
+PARSE family for a chat reply (the bundled model has no chat template: a plain transcript), prints them, and shuts
+everything down. Set RANKSERVE_API_KEY to try it with auth on.
 
 Run:  make run      or      .venv/bin/python -m rankserve.deployments.demo [--prompt TEXT] [--max-tokens N]
 """
@@ -46,9 +47,24 @@ def main(argv: list[str] | None = None) -> int:
                        headers={"authorization": f"Bearer {key}"} if key else {})
         r.raise_for_status()
         out = r.json()
+        completion = out["choices"][0]["text"]
         print(f"HTTP  POST /v1/completions  model=svd-llm  (rank cache: {r.headers['x-rankserve-rank-cache']})")
-        print(f"      {a.prompt}\033[1m{out['choices'][0]['text']}\033[0m")
+        print(f"      {a.prompt}\033[1m{completion}\033[0m")
         print(f"      finish_reason={out['choices'][0]['finish_reason']}  usage={out['usage']}\n")
+
+        # scoring, as evaluation harnesses ask: two continuations of the prompt, echoed with max_tokens 0
+        endings = [completion, " The moon was made of cheese and sang to the fish."]
+        r = httpx.post(svc.http_url + "/v1/completions", timeout=120,
+                       json={"model": "svd-llm", "prompt": [a.prompt + e for e in endings], "max_tokens": 0,
+                             "echo": True, "logprobs": 0},
+                       headers={"authorization": f"Bearer {key}"} if key else {})
+        r.raise_for_status()
+        print("HTTP  POST /v1/completions  model=svd-llm  echo, max_tokens 0: log-likelihood of each continuation")
+        for e, c in zip(endings, r.json()["choices"]):
+            lp = c["logprobs"]
+            ll = [v for v, o in zip(lp["token_logprobs"], lp["text_offset"]) if o >= len(a.prompt)]
+            print(f"      {sum(ll):8.2f} over {len(ll):2d} tokens  ...{e[:50]!r}")
+        print()
 
         with grpc.insecure_channel(svc.grpc_target) as ch:
             rep = pb_grpc.GeneratorStub(ch).Generate(

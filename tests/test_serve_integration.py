@@ -196,6 +196,9 @@ def test_chat_completions_answer_the_rendered_conversation(service, stub):
                      timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages.0.role"
     assert httpx.post(url, json=body, timeout=60).status_code == 401
+    long = httpx.post(url, json={**body, "messages": [{"role": "user", "content": "word " * 30_000}]}, headers=AUTH,
+                      timeout=60)  # rendered on a thread (> 100 K characters), then too long for the context
+    assert long.status_code == 400 and "context limit" in long.json()["error"]["message"]
 
     req = pb.ChatRequest(model="svd-llm", messages=[pb.ChatMessage(**m) for m in msgs], max_tokens=N, temperature=0)
     rep = stub.Chat(req, metadata=GRPC_AUTH, timeout=60)
