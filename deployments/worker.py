@@ -53,11 +53,15 @@ class FamilySpec:
     request_timeout_s: float = 60.0  # from arrival at the replica (queueing included) to the last token
     torch_threads: int | None = None  # None = torch's default (all cores)
     max_batch_size: int = 8
+    decoder_memory_gb: float | None = None  # what the GPU fast path's decoders may hold (KV caches of each batch-size
+    # and context bucket, PARSE slot weights); least recently used dropped first. None: 40 % of the GPU's memory
     model_version: str | None = None  # rank-cache namespace; None = derived from the checkpoint's files
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0 or self.request_timeout_s <= 0:
             raise ValueError(f"max_tokens and request_timeout_s must be positive: {self}")
+        if self.max_batch_size <= 0 or (self.decoder_memory_gb is not None and self.decoder_memory_gb <= 0):
+            raise ValueError(f"max_batch_size and decoder_memory_gb must be positive: {self}")
 
 
 DEVICE_ERROR_WORDS = ("CUDA", "CUBLAS", "cuDNN")  # in the messages of torch's RuntimeErrors from the device
@@ -107,8 +111,10 @@ class Worker:
         if self.spec.torch_threads:
             torch.set_num_threads(self.spec.torch_threads)
         dtype = getattr(torch, self.spec.dtype) if self.spec.dtype else None
+        gb = self.spec.decoder_memory_gb
         self.engine = Engine.load(self.spec.model_dir, device=self.spec.device, dtype=dtype,
-                                  max_batch_size=self.spec.max_batch_size)
+                                  max_batch_size=self.spec.max_batch_size,
+                                  decoder_memory_bytes=None if gb is None else int(gb * 2**30))
         self.version = self.spec.model_version or model_version(self.spec.model_dir)
         self.created = int((Path(self.spec.model_dir) / "model.safetensors").stat().st_mtime)  # OpenAI's `created`
         self.stop_ids = set(self.engine.eos)

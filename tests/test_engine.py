@@ -216,9 +216,30 @@ def test_fast_path_gives_the_eager_tokens():
     assert [r.token_ids for r in fast.generate_batch(prompts[:2], mixed)] == \
         [r.token_ids for r in eager.generate_batch(prompts[:2], mixed)]
     assert all(d.dcfg.greedy for d in fast._decoders.values())
-    assert sorted(fast._decoders) == [(1, 256), (2, 256), (3, 256)]  # one decoder per (batch size, cache bucket)
+    # one decoder per (batch-size bucket, cache bucket): the batch of 3 ran in the bucket of 4, one row idle
+    assert sorted(fast._decoders) == [(1, 256), (2, 256), (4, 256)]
     # packed weights shared per layout (the torch backend has one: no fused norms)
     assert all(d.layers is fast._packed[False] for d in fast._decoders.values())
+
+
+def test_decoders_held_within_their_memory_budget():
+    """Decoders past `decoder_memory_bytes` go least recently used first; generation is unchanged."""
+    eager = Engine.load(BUNDLED, fast_path="off")
+    one = Engine.load(BUNDLED, fast_path="torch")
+    assert one.decoder_memory_bytes is None  # CPU: unbounded by default (CUDA: 40 % of the GPU's memory)
+    one.generate("The dog", SamplingParams(max_new_tokens=4))
+    size = next(iter(one._held.values()))  # one B = 1, S = 256 decoder's KV cache
+    assert size > 0
+    tight = Engine.load(BUNDLED, fast_path="torch", decoder_memory_bytes=3 * size)
+    sp = SamplingParams(max_new_tokens=10)
+    prompts = ["Once upon a time", "The dog ran", "Lily"]
+    for batch in ([prompts[0]], prompts[:2], [prompts[0]]):  # B = 1, then 2 (needs 2 x size: B = 1 goes), then 1
+        got = tight.generate_batch(batch, [sp] * len(batch))
+        assert [g.token_ids for g in got] == [r.token_ids for r in eager.generate_batch(batch, [sp] * len(batch))]
+        assert sum(tight._held.values()) <= 3 * size
+    assert list(tight._held) == [("dec", 2, 256), ("dec", 1, 256)] and sorted(tight._decoders) == [(1, 256), (2, 256)]
+    tight.generate_batch(prompts, [sp] * 3)  # B = 3 -> the bucket of 4 (4 x size): everything else goes
+    assert list(tight._held) == [("dec", 4, 256)]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

@@ -9,6 +9,7 @@ request (rank reuse; `workers/parse.py`).
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -28,6 +29,7 @@ from rankserve.workers.sampler import SamplingParams, sample
 from rankserve.workers.tokenizer import Tokenizer
 
 
+BATCH_BUCKETS = (1, 2, 4, 8)  # the fast path's batch sizes: a batch runs in the next one up, padded with idle rows
 PROMPT_CHUNK = 256  # prompt positions per piece of the head when scoring a prompt (prompt_logprobs)
 LOGPROB_FLOOR = -9999.0  # what a -inf (or NaN) log-probability is reported as: JSON has no infinities
 
@@ -174,7 +176,10 @@ class Engine:
                  # reference model 0.2 cut a batch of 8's union from 1.18 K to 1.02 K and lowered perplexity
                  # (477 -> 472; parse-log.md); 0 = every request its own routers' top-K
                  parse_pull: float = 0.2,
-                 extra_eos: tuple[int, ...] = ()) -> None:  # more ids that end a reply (generation_config.json's)
+                 extra_eos: tuple[int, ...] = (),  # more ids that end a reply (generation_config.json's)
+                 # bytes the fast path's decoders (KV caches, PARSE slot weights) may hold together; the least
+                 # recently used go first. None: 40 % of the GPU's memory (unbounded on the CPU)
+                 decoder_memory_bytes: int | None = None) -> None:
         if parse_pull < 0:
             raise ValueError(f"parse_pull must be >= 0, got {parse_pull}")
         self.model, self.tokenizer, self.manifest = model, tokenizer, manifest
@@ -190,12 +195,16 @@ class Engine:
         self.fast_path = fast_path
         self._decoders: dict[tuple[int, int], FastDecoder] = {}
         self._slots: dict[tuple[int, int], ParseSlots] = {}  # PARSE rank slots per (B, S) bucket
+        if decoder_memory_bytes is None and self.device.type == "cuda":
+            decoder_memory_bytes = int(0.4 * torch.cuda.get_device_properties(self.device).total_memory)
+        self.decoder_memory_bytes = decoder_memory_bytes
+        self._held: OrderedDict[tuple[str, int, int], int] = OrderedDict()  # built decoders' bytes, LRU first
         self._packed: dict[bool, list] = {}  # packed decode weights per fused-norm layout, shared by decoders
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
              max_batch_size: int = 8, max_seq_len: int | None = None, fast_path: str = "auto",
-             reroute_every: int = 0, parse_pull: float = 0.2) -> "Engine":
+             reroute_every: int = 0, parse_pull: float = 0.2, decoder_memory_bytes: int | None = None) -> "Engine":
         if dtype is None:
             dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
         model, manifest = load_checkpoint(model_dir, device=device, dtype=dtype)
@@ -204,7 +213,7 @@ class Engine:
             pad_ranks(model, GPU_ALIGN)  # exact; aligned rows for cuBLAS and Triton (workers/align.py)
         return cls(model, Tokenizer.load(model_dir), manifest, max_batch_size, max_seq_len, fast_path,
                    routers=routers, reroute_every=reroute_every, parse_pull=parse_pull,
-                   extra_eos=generation_eos(model_dir))
+                   extra_eos=generation_eos(model_dir), decoder_memory_bytes=decoder_memory_bytes)
 
     # --- public API ------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str, params: SamplingParams) -> list[int]:
@@ -338,16 +347,43 @@ class Engine:
         graph = "step" if self.device.type == "cuda" else "none"  # whole-step graph: measured fastest
         if subsets is not None:  # PARSE: rank slots per (B, S), loaded with this batch's subsets (no recapture)
             if (B, S) not in self._slots:
+                self._make_room(B, S, parse=True)
                 self._slots[(B, S)] = ParseSlots(self.model, self.routers,
                                                  DecodeConfig(batch_size=B, max_seq_len=S, backend=mode, graph=graph),
                                                  align=GPU_ALIGN if self.device.type == "cuda" else 1)
+                sm = self._slots[(B, S)].model
+                self._held[("slots", B, S)] = _cache_bytes(self._slots[(B, S)].decoder) + sum(
+                    p.numel() * p.element_size() for p in sm.parameters())
+            self._held.move_to_end(("slots", B, S))
             self._slots[(B, S)].load(subsets)
             return self._slots[(B, S)].decoder
         if (B, S) not in self._decoders:
+            self._make_room(B, S, parse=False)
             dcfg = DecodeConfig(batch_size=B, max_seq_len=S, backend=mode, graph=graph, greedy=True)
             self._decoders[(B, S)] = FastDecoder(self.model, dcfg, packed=self._packed.get(dcfg.fused()))
             self._packed[dcfg.fused()] = self._decoders[(B, S)].layers  # decoders of one layout share one copy
+            self._held[("dec", B, S)] = _cache_bytes(self._decoders[(B, S)])
+        self._held.move_to_end(("dec", B, S))
         return self._decoders[(B, S)]
+
+    def _make_room(self, B: int, S: int, parse: bool) -> None:
+        """Drop the least recently used decoders until one more for (B, S) fits in `decoder_memory_bytes` (its KV
+        cache counted; a PARSE slot model's weights as an earlier one of the same B, or not at all)."""
+        if self.decoder_memory_bytes is None:
+            return
+        cfg = self.cfg
+        need = 2 * cfg.num_hidden_layers * B * (S + 1) * cfg.num_key_value_heads * cfg.head_dim * \
+            self.model.embed.weight.element_size()
+        if parse:
+            need += max((b for (kind, _, _), b in self._held.items() if kind == "slots"), default=0)
+        freed = False
+        while self._held and sum(self._held.values()) + need > self.decoder_memory_bytes:
+            kind, b, s = next(iter(self._held))
+            del self._held[(kind, b, s)]
+            (self._slots if kind == "slots" else self._decoders).pop((b, s))
+            freed = True
+        if freed and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the dropped caches and graph pools go back to the device
 
     def rank_subset(self, prompt: str) -> dict | None:
         """PARSE rank subset the routers choose for `prompt` (one extra prefill); None without PARSE routers."""
@@ -386,19 +422,26 @@ class Engine:
         budget = max(l + r.params.max_new_tokens for l, r in zip(lens, rows))
         S_max = min(budget, self.max_seq_len)
         cfg = self.cfg
-        tokens = torch.zeros(B, max(lens), dtype=torch.long)
-        for b, r in enumerate(rows):
-            tokens[b, :lens[b]] = torch.tensor(r.prompt_ids)
-        lengths = torch.tensor(lens, dtype=torch.int32, device=self.device)
         # finished rows keep stepping in the fast path, so its cache holds the longest prompt + the largest budget
         need = max(lens) + max(r.params.max_new_tokens for r in rows)
         # eager when a row may reach the context limit, and for PARSE with re-routing (subsets change mid-request)
         fast = need <= self.max_seq_len and not (self.routers is not None and self.reroute_every)
-        dec = self._fast_decoder(B, need, subsets) if fast else None
+        # the fast path runs in a bucket's batch size (few decoders to build and hold); idle rows pad it: one token
+        # each, stepping along unread (PARSE: the first row's subset, which adds nothing to the slots' union)
+        B_run = next((b for b in BATCH_BUCKETS if b >= B), B) if fast else B
+        run_subsets = None if subsets is None else subsets + [subsets[0]] * (B_run - B)
+        dec = self._fast_decoder(B_run, need, run_subsets) if fast else None
+        if dec is None:
+            B_run = B
+        tokens = torch.zeros(B_run, max(lens), dtype=torch.long)
+        for b, r in enumerate(rows):
+            tokens[b, :lens[b]] = torch.tensor(r.prompt_ids)
+        tokens[B:, 0] = rows[0].prompt_ids[0]
+        lengths = torch.tensor(lens + [1] * (B_run - B), dtype=torch.int32, device=self.device)
         if dec is None and subsets is not None:  # eager PARSE: mask the pool (the fast path gathered slots instead)
             apply(self.model, subsets)
         if dec is not None:
-            logits = dec.prefill(tokens.to(self.device), lengths)  # (B, V)
+            logits = dec.prefill(tokens.to(self.device), lengths)  # (B_run, V)
         else:
             cache = KVCache(cfg.num_hidden_layers, B, S_max, cfg.num_key_value_heads, cfg.head_dim,
                             device=self.device, dtype=self.model.embed.weight.dtype)
@@ -423,7 +466,8 @@ class Engine:
             yield step
             if all(r.finish is not None for r in rows):
                 return
-            nxt = torch.tensor([[max(t, 0)] for t, _ in step], dtype=torch.long, device=self.device)
+            nxt = torch.tensor([[max(t, 0)] for t, _ in step] + [[0]] * (B_run - B), dtype=torch.long,
+                               device=self.device)
             if dec is not None:  # static shapes: every row steps (a finished row's tokens are ignored)
                 logits = dec.step(nxt[:, 0])
                 if dec.dcfg.greedy and any(r.finish is None and r.params.temperature == 0 for r in rows):
@@ -459,3 +503,8 @@ class BatchStream:
 
     def close(self) -> None:
         self._steps.close()
+
+
+def _cache_bytes(dec: FastDecoder) -> int:
+    """Bytes of a decoder's KV cache (its own; packed weights are shared and not counted)."""
+    return dec.cache._k.numel() * dec.cache._k.element_size() * 2
