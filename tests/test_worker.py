@@ -238,6 +238,12 @@ def test_a_dead_batch_loop_fails_its_requests():
     assert asyncio.run(w.generate(PROMPT, greedy(4), cached=False, subset=None))["completion_tokens"] == 4
 
 
+@pytest.mark.parametrize("bad", [{"max_batch_size": 0}, {"decoder_memory_gb": 0}, {"max_tokens": -1}])
+def test_family_options_are_checked(bad):
+    with pytest.raises(ValueError, match="must be positive"):
+        make_worker(**bad)
+
+
 def test_model_version_is_stable(tmp_path):
     v = model_version(MODEL)
     assert v == model_version(MODEL) and ":" not in v and v.startswith("dense-")
