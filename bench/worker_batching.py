@@ -29,8 +29,11 @@ PROMPTS = ["Once upon a time", "The little dog ran to the park", "Lily and Ben w
            "Tom had a big red ball", "The sun was hot and the sky was blue", "Mia found a shiny stone", "A cat sat"]
 
 
-async def _client(worker, c: int, n: int, max_tokens: int, out: list[dict[str, float]]) -> None:
+async def _client(worker, c: int, n: int, max_tokens: int, out: list[dict[str, float]], jitter_ms: float) -> None:
+    rng = np.random.default_rng(c)
     for i in range(n):
+        if jitter_ms:  # clients come back one by one, as over a network
+            await asyncio.sleep(rng.uniform(0, jitter_ms) / 1e3)
         sampling = dict(max_new_tokens=max_tokens, temperature=0.8, top_p=1.0, top_k=0, seed=1000 * c + i, stop=(),
                         ignore_eos=True)
         t0 = time.perf_counter()
@@ -46,12 +49,12 @@ async def _client(worker, c: int, n: int, max_tokens: int, out: list[dict[str, f
 
 
 def run_one(model_dir: str, batch_size: int, clients: int, requests: int, max_tokens: int,
-            threads: int) -> dict[str, Any]:
+            threads: int, jitter_ms: float = 0.0, batch_wait_ms: float = 0.0) -> dict[str, Any]:
     from rankserve.deployments.worker import Worker
 
     worker = Worker.func_or_class("bench", {"model_dir": model_dir, "torch_threads": threads,
                                             "max_batch_size": batch_size, "max_tokens": max_tokens,
-                                            "request_timeout_s": 3600.0})
+                                            "request_timeout_s": 3600.0, "batch_wait_ms": batch_wait_ms})
     sizes: list[int] = []
     real = worker._run_batch
 
@@ -66,7 +69,7 @@ def run_one(model_dir: str, batch_size: int, clients: int, requests: int, max_to
         sizes.clear()
         out: list[dict[str, float]] = []
         t0 = time.perf_counter()
-        await asyncio.gather(*(_client(worker, c, requests, max_tokens, out) for c in range(clients)))
+        await asyncio.gather(*(_client(worker, c, requests, max_tokens, out, jitter_ms) for c in range(clients)))
         return out, time.perf_counter() - t0
 
     out, wall = asyncio.run(go())
@@ -84,13 +87,15 @@ def markdown(res: dict[str, Any]) -> str:
     lines = [f"# Batching in the worker: {res['tag']}", "",
              f"One `Worker` replica in-process, model `{a['model_dir']}`, {a['threads']} torch thread(s), "
              f"{a['clients']} closed-loop clients x {a['requests']} requests x {a['max_tokens']} tokens "
-             f"(temperature 0.8, ignore_eos). Machine: {res['machine']}. Command: `{res['command']}`.", "",
-             "| max_batch_size | tokens/s | vs 1 | latency p50 / p90 (s) | TTFT p50 (s) | rows per batch |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             f"(temperature 0.8, ignore_eos; each client waits uniform(0, {a.get('jitter_ms', 0.0):g}) ms before a "
+             f"request). Machine: {res['machine']}. Command: `{res['command']}`.", "",
+             "| batch_wait_ms | max_batch_size | tokens/s | vs 1 | latency p50 / p90 (s) | TTFT p50 (s) | rows per batch |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     base = res["rows"][0]["tokens_per_s"]
     for r in res["rows"]:
-        lines.append(f"| {r['max_batch_size']} | {r['tokens_per_s']} | {r['tokens_per_s'] / base:.2f}x | "
-                     f"{r['latency_p50_s']} / {r['latency_p90_s']} | {r['ttft_p50_s']} | {r['mean_batch_rows']} |")
+        lines.append(f"| {r.get('batch_wait_ms', 0.0):g} | {r['max_batch_size']} | {r['tokens_per_s']} | "
+                     f"{r['tokens_per_s'] / base:.2f}x | {r['latency_p50_s']} / {r['latency_p90_s']} | "
+                     f"{r['ttft_p50_s']} | {r['mean_batch_rows']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -103,15 +108,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=4, help="per client")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--jitter-ms", type=float, default=0.0, help="each client waits uniform(0, J) ms before a request")
+    p.add_argument("--batch-wait-ms", type=float, nargs="+", default=[0.0],
+                   help="the worker's batch_wait_ms; several values: each batch size runs with each")
     p.add_argument("--tag", default="cpu")
     p.add_argument("--out-dir", default=str(RESULTS))
     a = p.parse_args(argv)
     if a.batch_sizes[0] != 1:
         p.error("the first batch size is the baseline; start the list with 1")
     rows = []
-    for b in a.batch_sizes:
-        rows.append(run_one(a.model_dir, b, a.clients, a.requests, a.max_tokens, a.threads))
-        print(json.dumps(rows[-1]), flush=True)
+    for w in a.batch_wait_ms:
+        for b in a.batch_sizes:
+            rows.append({**run_one(a.model_dir, b, a.clients, a.requests, a.max_tokens, a.threads, a.jitter_ms, w),
+                         "batch_wait_ms": w})
+            print(json.dumps(rows[-1]), flush=True)
     res = dict(tag=a.tag, args=vars(a), rows=rows, machine=f"{platform.processor() or platform.machine()}, "
                f"{os.cpu_count()} CPUs", command=" ".join(["python -m rankserve.bench.worker_batching", *argv]))
     out = Path(a.out_dir)

@@ -39,6 +39,7 @@ from rankserve.workers.chat import read_chat_template
 
 log = logging.getLogger("ray.serve")
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
+BATCH_BUCKETS = [1, 2, 3, 4, 6, 8, 12, 16]
 RATE_BUCKETS = [1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000]
 
 
@@ -53,6 +54,8 @@ class FamilySpec:
     request_timeout_s: float = 60.0  # from arrival at the replica (queueing included) to the last token
     torch_threads: int | None = None  # None = torch's default (all cores)
     max_batch_size: int = 8
+    batch_wait_ms: float = 5.0  # how long the batch loop waits for more requests before starting a partial batch
+    # (a lone request's first token comes that much later; 0: off). Measured: bench/results/worker-batching-cpu-jitter.md
     decoder_memory_gb: float | None = None  # what the GPU fast path's decoders may hold (KV caches of each batch-size
     # and context bucket, PARSE slot weights); least recently used dropped first. None: 40 % of the GPU's memory
     model_version: str | None = None  # rank-cache namespace; None = derived from the checkpoint's files
@@ -62,6 +65,8 @@ class FamilySpec:
             raise ValueError(f"max_tokens and request_timeout_s must be positive: {self}")
         if self.max_batch_size <= 0 or (self.decoder_memory_gb is not None and self.decoder_memory_gb <= 0):
             raise ValueError(f"max_batch_size and decoder_memory_gb must be positive: {self}")
+        if self.batch_wait_ms < 0:
+            raise ValueError(f"batch_wait_ms must be >= 0: {self}")
 
 
 DEVICE_ERROR_WORDS = ("CUDA", "CUBLAS", "cuDNN")  # in the messages of torch's RuntimeErrors from the device
@@ -139,6 +144,7 @@ class Worker:
                                 "arrival at the replica to first token (queueing included)", LATENCY_BUCKETS, tags)
         self.m_queue = Histogram("rankserve_worker_queue_seconds", "time waiting for the engine", LATENCY_BUCKETS, tags)
         self.m_rate = Histogram("rankserve_decode_tokens_per_second", "per-request decode speed", RATE_BUCKETS, tags)
+        self.m_batch_rows = Histogram("rankserve_worker_batch_rows", "requests per batch", BATCH_BUCKETS, tags)
         self.m_waiting = Gauge("rankserve_worker_requests_waiting", "requests queued for the engine", tags)
         self.m_running = Gauge("rankserve_worker_requests_running", "requests generating (the batch's size)", tags)
         for g in (self.m_waiting, self.m_running):
@@ -271,6 +277,10 @@ class Worker:
         """The batch loop: while requests wait, take up to max_batch_size of them (FIFO) and decode them together
         until each has finished; requests that arrive meanwhile wait for the next batch."""
         while True:
+            if 0 < len(self._pending) < self.engine.max_batch_size and self.spec.batch_wait_ms > 0:
+                # a short wait for more: requests rarely arrive together (clients of the last batch come back one
+                # by one), and a batch started with one row keeps the others waiting until it ends
+                await asyncio.sleep(self.spec.batch_wait_ms / 1e3)
             batch: list[_Pending] = []
             while self._pending and len(batch) < self.engine.max_batch_size:
                 req = self._pending.popleft()
@@ -279,6 +289,7 @@ class Worker:
                     batch.append(req)
             self._set_waiting()
             if batch:
+                self.m_batch_rows.observe(len(batch), tags={"family": self.family})
                 self._running = batch  # until it ends: what _batcher_ended fails if the loop dies meanwhile
                 await self._run_batch(batch)
                 self._running = []

@@ -17,12 +17,14 @@ def test_tiny_run_writes_its_results(tmp_path):
     from rankserve.bench.worker_batching import main
 
     assert main(["--batch-sizes", "1", "2", "--clients", "2", "--requests", "2", "--max-tokens", "5",
-                 "--tag", "t", "--out-dir", str(tmp_path)]) == 0
+                 "--tag", "t", "--out-dir", str(tmp_path), "--jitter-ms", "1", "--batch-wait-ms", "0", "20"]) == 0
     res = json.loads((tmp_path / "worker-batching-t.json").read_text())
-    one, two = res["rows"]
-    assert one["requests"] == two["requests"] == 4 and one["tokens"] == two["tokens"] == 20  # ignore_eos: all 5
-    assert one["mean_batch_rows"] == 1.0 and 1.0 < two["mean_batch_rows"] <= 2.0
+    one, two, one_w, two_w = res["rows"]
+    assert [r["batch_wait_ms"] for r in res["rows"]] == [0, 0, 20, 20]
+    assert all(r["requests"] == 4 and r["tokens"] == 20 for r in res["rows"])  # ignore_eos: all 5 tokens each
+    assert one["mean_batch_rows"] == one_w["mean_batch_rows"] == 1.0 and 1.0 <= two["mean_batch_rows"] <= 2.0
+    assert two_w["mean_batch_rows"] == 2.0  # a 20 ms wait gathers both clients despite their 1 ms jitter
     md = (tmp_path / "worker-batching-t.md").read_text()
-    assert "| 2 |" in md and "--tag t" in md
+    assert "| 20 | 2 |" in md and "--tag t" in md
     with pytest.raises(SystemExit):
         main(["--batch-sizes", "2", "--out-dir", str(tmp_path)])  # the baseline (1) must come first
