@@ -367,8 +367,8 @@ class Engine:
         return self._decoders[(B, S)]
 
     def _make_room(self, B: int, S: int, parse: bool) -> None:
-        """Drop the least recently used decoders until one more for (B, S) fits in `decoder_memory_bytes` (its KV
-        cache counted; a PARSE slot model's weights as an earlier one of the same B, or not at all)."""
+        """Drop the least recently used decoders until one more for (B, S) fits in `decoder_memory_bytes`: its KV
+        cache, plus for PARSE slots the largest slots entry held so far (their weights are known once built)."""
         if self.decoder_memory_bytes is None:
             return
         cfg = self.cfg
