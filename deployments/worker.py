@@ -304,11 +304,14 @@ class Worker:
         stream = None
         try:
             live = []
+            routed: dict[str, dict | None] = {}  # prompt -> the routers' subset: a prompt's n choices route once
             for req in batch:
                 self.m_queue.observe(time.monotonic() - req.t0, tags=tags)
                 try:
-                    if not req.cached:  # a miss: the model's own routers choose (None = static ranks)
-                        req.subset = await self._call(self.engine.rank_subset, req.prompt)
+                    if not req.cached and req.prompt in routed:
+                        req.subset = routed[req.prompt]
+                    elif not req.cached:  # a miss: the model's own routers choose (None = static ranks)
+                        req.subset = routed[req.prompt] = await self._call(self.engine.rank_subset, req.prompt)
                         if req.subset is not None:  # None: a static family, no routers ran
                             self.m_router_runs.inc(tags=tags)
                     start = dict(event="start", prompt_tokens=req.n_prompt, subset=req.subset, cached=req.cached)

@@ -333,15 +333,21 @@ def test_worker_batch_of_hits_and_misses(svd_llm_dir):
     hit = w.engine.rank_subset(prompts[0])  # a subset another prompt chose: what a rank-cache hit brings
     sampling = dict(max_new_tokens=10, temperature=0.0, ignore_eos=True)
 
+    real, calls = w.engine.rank_subset, []
+    w.engine.rank_subset = lambda p: calls.append(p) or real(p)
+
     async def go():
         return await asyncio.gather(w.generate(prompts[0], sampling, cached=False, subset=None),
                                     w.generate(prompts[1], sampling, cached=True, subset=hit),
-                                    w.generate(prompts[2], sampling, cached=True, subset={"v": 1, "k": {}}))
+                                    w.generate(prompts[2], sampling, cached=True, subset={"v": 1, "k": {}}),
+                                    w.generate(prompts[0], sampling, cached=False, subset=None))  # n = 2's twin
 
-    outs = asyncio.run(go())
-    want = [w.engine.rank_subset(prompts[0]), hit, w.engine.rank_subset(prompts[2])]
+    *outs, twin = asyncio.run(go())
+    assert sorted(calls) == sorted([prompts[0], prompts[2]])  # the twin's miss took its sibling's routing
+    want = [real(prompts[0]), hit, real(prompts[2])]
     assert [o["cached"] for o in outs] == [False, True, False]
-    assert [o["subset"] for o in outs] == want
+    assert [o["subset"] for o in outs] == want and twin["subset"] == want[0]
+    assert twin["token_ids"] == outs[0]["token_ids"]
     greedy = SamplingParams(max_new_tokens=10, ignore_eos=True)
     assert [o["token_ids"] for o in outs] == [w.engine.generate(p, greedy, s).token_ids
                                              for p, s in zip(prompts, want)]
