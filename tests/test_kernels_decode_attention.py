@@ -45,8 +45,10 @@ def test_decode_attention(B, H, H_kv, D, S_max, num_splits, dtype, fused_merge):
         mid_o, mid_lse = nan_like((B, H, num_splits, D), torch.float32), nan_like((B, H, num_splits), torch.float32)
         decode_attention(q, k_cache, v_cache, cache_seqlens, num_splits=num_splits, out=out, mid_o=mid_o,
                          mid_lse=mid_lse, counter=counter)
+        # floor 3 eps: over 1000 seeds (B=1, H=4, D=32, 3 splits, fp32) torch's error was 0.6-2.0 eps and the split
+        # merge's 1.9 eps median, 4.7 p99; seed 3505491389 drew kernel 9.6 against torch 2.0 (failed CI once)
         assert_close(out, decode_attention_ref(*to64(q, k_cache, v_cache), cache_seqlens),
-                     decode_attention_ref(q, k_cache, v_cache, cache_seqlens), what + f" step {step}")
+                     decode_attention_ref(q, k_cache, v_cache, cache_seqlens), what + f" step {step}", floor_eps=3)
         if counter is not None:
             assert int(counter.abs().sum()) == 0, what + ": counters not reset"
         if num_splits == 1:  # written directly by the one split: no partials, no merge launch
