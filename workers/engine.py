@@ -121,17 +121,8 @@ class _Row:
         ids = top.indices.tolist() if top is not None else []
         vals = top.values.tolist() if top is not None else []
         ctx = (self.context + self.ids)[-4:]  # each token's text is read after the tokens before it
-        before = tok.decode(ctx)
-
-        def text(t: int) -> str:
-            full = tok.decode(ctx + [t])
-            return full[len(before):] if full.startswith(before) else tok.decode([t])
-
-        def one(t: int, v: float) -> tuple[str, float, list[int]]:
-            return text(t), v if v > LOGPROB_FLOOR else LOGPROB_FLOOR, list(tok.token_bytes(t))  # NaN -> floor too
-
-        t_text, v, b = one(token, float(lp[token]))
-        self.logprobs.append(TokenLogprob(t_text, v, b, self.text_len, [one(i, x) for i, x in zip(ids, vals)]))
+        (t_text, v, b), *alts = _entries(tok, ctx, [(token, float(lp[token])), *zip(ids, vals)])
+        self.logprobs.append(TokenLogprob(t_text, v, b, self.text_len, alts))
 
     def released_logprobs(self) -> list[TokenLogprob]:
         """The entries of the tokens whose text is out: while running, those starting before the released text's
@@ -152,6 +143,18 @@ class _Row:
         delta = text[len(self.released):] if text.startswith(self.released) else ""
         self.released = text if text.startswith(self.released) else self.released
         return delta
+
+
+def _entries(tok: Tokenizer, ctx: list[int], picks: list[tuple[int, float]]) -> list[tuple[str, float, list[int]]]:
+    """(token, logprob) pairs -> (the token's text read after the ids `ctx`, so a leading space survives; the
+    logprob, -inf and NaN floored: JSON has no infinities; the token's bytes)."""
+    before = tok.decode(ctx)
+
+    def text(t: int) -> str:
+        full = tok.decode(ctx + [t])
+        return full[len(before):] if full.startswith(before) else tok.decode([t])
+
+    return [(text(t), v if v > LOGPROB_FLOOR else LOGPROB_FLOOR, list(tok.token_bytes(t))) for t, v in picks]
 
 
 def generation_eos(model_dir: str | Path) -> tuple[int, ...]:
@@ -216,11 +219,13 @@ class Engine:
                    extra_eos=generation_eos(model_dir), decoder_memory_bytes=decoder_memory_bytes)
 
     # --- public API ------------------------------------------------------------------------------
-    def encode_prompt(self, prompt: str, params: SamplingParams) -> list[int]:
+    def encode_prompt(self, prompt: str, params: SamplingParams | None = None, room: int = 1) -> list[int]:
+        """The prompt's ids (BOS first); refused when empty or when it leaves fewer than `room` positions of the
+        context (1: the first generated token; 0: scoring the prompt alone)."""
         ids = self.tokenizer.encode(prompt, bos=True)
         if not ids:
             raise ValueError("the prompt is empty and this tokenizer adds no BOS token: give at least one token")
-        if len(ids) + 1 > self.max_seq_len:
+        if len(ids) + room > self.max_seq_len:
             raise ValueError(f"prompt is {len(ids)} tokens; the context limit is {self.max_seq_len} tokens")
         return ids
 
@@ -270,11 +275,7 @@ class Engine:
         position (one teacher-forced forward; OpenAI's `echo` with `logprobs`). The BOS the engine prepends has no
         entry; without a BOS the first token has no context and its logprob is None. `offset` counts characters
         of the tokens' own text from the prompt's start. PARSE: scored with `subset` (None: the routers' choice)."""
-        ids = self.tokenizer.encode(prompt, bos=True)
-        if not ids:
-            raise ValueError("the prompt is empty and this tokenizer adds no BOS token: give at least one token")
-        if len(ids) > self.max_seq_len:
-            raise ValueError(f"prompt is {len(ids)} tokens; the context limit is {self.max_seq_len} tokens")
+        ids = self.encode_prompt(prompt, room=0)
         if self.routers is not None:
             apply(self.model, [validate(subset, self.routers) if subset is not None else
                                select(self.model, self.routers, ids)])
@@ -298,32 +299,25 @@ class Engine:
         picked_l = torch.cat(picked).tolist() if picked else []
         top_v_l = torch.cat(top_v).tolist() if top_v else []
         top_i_l = torch.cat(top_i).tolist() if top_i else []
-        tok, skip = self.tokenizer, 1 if ids[0] == self.tokenizer.bos_id else 0
-
-        def text(ctx: list[int], t: int) -> str:
-            before, full = tok.decode(ctx), tok.decode(ctx + [t])
-            return full[len(before):] if full.startswith(before) else tok.decode([t])
-
-        def floor(v: float) -> float:
-            return v if v > LOGPROB_FLOOR else LOGPROB_FLOOR  # -inf and NaN -> the floor, as generated tokens'
-
+        skip = 1 if ids[0] == self.tokenizer.bos_id else 0
         out, offset = [], 0
         for i in range(skip, len(ids)):
-            ctx = ids[max(skip, i - 4):i]  # each token's text read after the tokens before it (a leading space)
-            t_text = text(ctx, ids[i])
+            ctx = ids[max(skip, i - 4):i]
             if i == 0:  # no context: nothing predicts it
-                out.append(TokenLogprob(t_text, None, list(tok.token_bytes(ids[i])), offset, []))
+                (t_text, _, b), = _entries(self.tokenizer, ctx, [(ids[0], 0.0)])
+                out.append(TokenLogprob(t_text, None, b, offset, []))
             else:
-                alts = [] if not k else [(text(ctx, a), floor(v), list(tok.token_bytes(a)))
-                                         for a, v in zip(top_i_l[i - 1], top_v_l[i - 1])]
-                out.append(TokenLogprob(t_text, floor(picked_l[i - 1]), list(tok.token_bytes(ids[i])), offset, alts))
+                alts = zip(top_i_l[i - 1], top_v_l[i - 1]) if k else ()
+                (t_text, v, b), *top_e = _entries(self.tokenizer, ctx, [(ids[i], picked_l[i - 1]), *alts])
+                out.append(TokenLogprob(t_text, v, b, offset, top_e))
             offset += len(t_text)
         return out
 
     def stream_batch(self, prompts: list[str], params: list[SamplingParams],
-                     subsets: list[dict | None] | None = None) -> "BatchStream":
+                     subsets: list[dict | None] | None = None, checked: bool = False) -> "BatchStream":
         """Requests decoding together, one step per `next()` (the worker's batches). `subsets`: each row's PARSE
-        rank subset (`rank_subset` or the rank cache's), required on a PARSE model, None on a static one."""
+        rank subset (`rank_subset` or the rank cache's), required on a PARSE model, None on a static one;
+        `checked`: each came from `rank_subset` or `parse.validate` already (a 7B subset holds ~330 K indices)."""
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         subsets = subsets if subsets is not None else [None] * len(prompts)
@@ -334,7 +328,8 @@ class Engine:
             return BatchStream(rows, self._decode(rows, None))
         if any(s is None for s in subsets):
             raise ValueError("a PARSE model's batch needs every row's rank subset (Engine.rank_subset)")
-        return BatchStream(rows, self._decode(rows, None, [validate(s, self.routers) for s in subsets]))
+        return BatchStream(rows, self._decode(rows, None, subsets if checked else
+                                              [validate(s, self.routers) for s in subsets]))
 
     def _fast_decoder(self, B: int, S: int, subsets: list[dict] | None = None) -> FastDecoder | None:
         """The thin decode path for (B, S), built once per batch size and cache-length bucket; None = eager."""
@@ -389,12 +384,7 @@ class Engine:
         """PARSE rank subset the routers choose for `prompt` (one extra prefill); None without PARSE routers."""
         if self.routers is None:
             return None
-        ids = self.tokenizer.encode(prompt, bos=True)
-        if not ids:
-            raise ValueError("the prompt is empty and this tokenizer adds no BOS token: give at least one token")
-        if len(ids) + 1 > self.max_seq_len:
-            raise ValueError(f"prompt is {len(ids)} tokens; the context limit is {self.max_seq_len} tokens")
-        return select(self.model, self.routers, ids)
+        return select(self.model, self.routers, self.encode_prompt(prompt))
 
     # --- the loop --------------------------------------------------------------------------------
     @torch.inference_mode()
