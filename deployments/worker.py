@@ -210,7 +210,8 @@ class Worker:
             yield dict(event="error", status=400, message=str(e), param=param)
             return
 
-        cached, subset = self._checked_subset(cached, subset)
+        if self.engine.routers is None:
+            subset = None  # a static family takes none
         req = _Pending(prompt, params, n_prompt, cached, subset, t0, t0 + self.spec.request_timeout_s,
                        echo=echo and params.logprobs is not None, score_only=score_only)
         self._pending.append(req)
@@ -244,19 +245,16 @@ class Worker:
                 self._pending.remove(req)
                 self._set_waiting()
 
-    def _checked_subset(self, cached: bool, subset: dict | None) -> tuple[bool, dict | None]:
-        """A rank-cache subset is checked before it joins a batch (one bad row would fail them all); one this
-        model can't take is ignored and the request routed afresh. A static family takes none."""
+    def _check_subset(self, subset: dict | None) -> dict | None:
+        """A rank-cache subset, checked on the engine thread before it joins a batch (one bad row would fail them
+        all; a 7B subset holds ~330 K indices); None if this model can't take it, to route the request afresh."""
         from rankserve.workers.parse import validate
 
-        if self.engine.routers is None:
-            return cached, None
-        if cached:
-            try:
-                return True, validate(subset, self.engine.routers)
-            except ValueError as e:
-                log.warning("%s: ignoring a rank-cache subset (%s); routing the request afresh", self.family, e)
-        return False, None
+        try:
+            return validate(subset, self.engine.routers)
+        except ValueError as e:
+            log.warning("%s: ignoring a rank-cache subset (%s); routing the request afresh", self.family, e)
+            return None
 
     def _batcher_ended(self, task: asyncio.Task) -> None:
         """The batch loop never returns; if it ends anyway (cancelled, a bug), no request may wait on it forever:
@@ -308,6 +306,9 @@ class Worker:
             for req in batch:
                 self.m_queue.observe(time.monotonic() - req.t0, tags=tags)
                 try:
+                    if req.cached and self.engine.routers is not None:
+                        req.subset = await self._call(self._check_subset, req.subset)
+                        req.cached = req.subset is not None
                     if not req.cached and req.prompt in routed:
                         req.subset = routed[req.prompt]
                     elif not req.cached:  # a miss: the model's own routers choose (None = static ranks)
@@ -330,7 +331,7 @@ class Worker:
             if not live:
                 return
             stream = await self._call(self.engine.stream_batch, [r.prompt for r in live], [r.params for r in live],
-                                      [r.subset for r in live])
+                                      [r.subset for r in live], True)  # each subset checked or routed above
             while True:
                 now = time.monotonic()
                 for i, req in enumerate(live):  # between steps: rows whose client left or whose time is up

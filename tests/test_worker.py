@@ -252,7 +252,7 @@ def test_model_version_is_stable(tmp_path):
 
 def raising_stream(exc: BaseException):
     """A stand-in for Engine.stream_batch whose first step raises `exc` (on the engine thread, like a real step)."""
-    def stream(prompts, params, subsets=None):
+    def stream(prompts, params, subsets=None, checked=False):
         raise exc
         yield
 
