@@ -209,12 +209,12 @@ class Router:
         self._count(family, "http", 200, t0)
         choices = []
         for r, out in zip(routed, outs):
-            text, logprobs = out["text"], _logprobs(r, out["logprobs"])
-            if not chat and r.req.echo:  # the prompt first, in the text and the logprobs
-                text = r.req.prompt + text
-                if logprobs is not None:
-                    logprobs = completion_logprobs(out["logprobs"], out["prompt_logprobs"], len(r.req.prompt))
-            choices.append(Choice(text, out["finish_reason"], logprobs))
+            if r.req.echo:  # completions only: the prompt first, in the text and the logprobs
+                lp = None if r.req.logprobs is None else completion_logprobs(out["logprobs"], out["prompt_logprobs"],
+                                                                             len(r.req.prompt))
+                choices.append(Choice(r.req.prompt + out["text"], out["finish_reason"], lp))
+            else:
+                choices.append(Choice(out["text"], out["finish_reason"], _logprobs(r, out["logprobs"])))
         build, prefix = (chat_completion_body, "chatcmpl") if chat else (completion_body, "cmpl")
         n_prompt = sum(out["prompt_tokens"] for r, out in zip(routed, outs) if r.write_back)  # once per prompt
         body = build(new_id(prefix), family, choices, n_prompt, sum(out["completion_tokens"] for out in outs))
