@@ -43,11 +43,11 @@ def test_stream_batch_is_each_request_alone(engine):
     batch = engine.stream_batch(prompts, params)
     got: list[list] = [[], [], []]
     for i, step in enumerate(batch):
-        for row, ev in zip(got, step):
-            if ev is not None:
-                row.append(ev)
+        for j, ev in step.items():
+            got[j].append(ev)
         if i == 4:
             batch.stop(1, "cancelled")
+            row1 = batch.rows[1]
     batch.close()
 
     def key(events):  # logprobs agree to float rounding (a padded batch sums in another order)
@@ -57,7 +57,7 @@ def test_stream_batch_is_each_request_alone(engine):
         return [l.logprob for e in events for l in e.logprobs]
 
     assert key(got[0]) == key(alone[0]) and key(got[2]) == key(alone[2])
-    assert key(got[1]) == key(alone[1][:5]) and batch.rows[1].finish == "cancelled"
+    assert key(got[1]) == key(alone[1][:5]) and row1.finish == "cancelled" and not batch.rows
     for g, a in zip(got, alone):
         assert lps(g) == pytest.approx(lps(a)[:len(lps(g))], abs=1e-5)
     with pytest.raises(ValueError, match="no PARSE rank experts"):
@@ -307,3 +307,47 @@ def test_generation_config_eos_ends_a_reply(tmp_path):
     assert r.finish_reason == "length" and r.token_ids == first
     (d / "generation_config.json").write_text("[1, 2]")  # not an object: ignored
     assert first[3] not in Engine.load(d).eos
+
+
+@pytest.mark.parametrize("fast_path", ["off", "torch"])
+def test_rows_join_a_running_batch(fast_path):
+    """Continuous batching: requests added between steps join the running batch (into a free slot, or moving the
+    batch to a larger bucket or a longer cache), finished rows leave (the batch shrinks to a smaller bucket), and
+    every row's tokens are what it gets alone."""
+    eng = Engine.load(BUNDLED, fast_path=fast_path)
+    # (prompt, max_new_tokens, temperature, the step it joins at)
+    reqs = [("Once upon a time", 30, 0.0, 0), ("The dog", 12, 0.0, 3), ("Lily and Ben went to the park", 20, 0.8, 3),
+            ("The cat", 300, 0.0, 9), ("Tom", 8, 0.0, 15), ("Sue had a red ball", 6, 0.0, 40)]
+    params = [SamplingParams(max_new_tokens=n, temperature=t, seed=7, ignore_eos=True) for _, n, t, _ in reqs]
+    alone = [eng.generate(p, sp).token_ids for (p, *_), sp in zip(reqs, params)]
+    stream = eng.stream_batch([reqs[0][0]], [params[0]])
+    which, got, step = {0: 0}, [[] for _ in reqs], 0
+    sizes = []
+    while True:
+        for j, (p, _, _, at) in enumerate(reqs):
+            if at == step and j:
+                assert stream.room() > 0
+                which[stream.add(p, params[j])] = j
+        try:
+            events = next(stream)
+        except StopIteration:
+            break
+        sizes.append(stream._batch.B)
+        for i, ev in events.items():
+            got[which[i]].append(ev.token_id)
+        step += 1
+    assert got == alone
+    assert [len(g) for g in got] == [n for _, n, _, _ in reqs]
+    assert sizes[0] == 1 and 4 in sizes and sizes[-1] == 1  # 1 -> 2 -> 4 rows' bucket, back to 1 as rows ended
+    assert stream._batch.moves >= 3 and stream._batch.S == 512  # "The cat" + 300 tokens moved the cache to 512
+    with pytest.raises(ValueError, match="context limit"):
+        stream.add("Once " * 600, params[0])
+
+
+def test_a_full_batch_refuses_another_row(engine):
+    sp = SamplingParams(max_new_tokens=4)
+    stream = engine.stream_batch(["The dog"] * engine.max_batch_size, [sp] * engine.max_batch_size)
+    assert stream.room() == 0
+    with pytest.raises(ValueError, match="full"):
+        stream.add("The cat", sp)
+    assert sum(len(e) for e in stream) == 4 * engine.max_batch_size

@@ -313,12 +313,41 @@ def test_batch_rows_keep_their_own_subsets(svd_llm_dir):
     alone = [engine.generate(p, greedy, s).token_ids for p, s in zip(prompts, subsets)]
     ids: list[list[int]] = [[], [], []]
     for step in engine.stream_batch(prompts, [greedy] * 3, subsets):
-        for row, ev in zip(ids, step):
-            if ev is not None:
-                row.append(ev.token_id)
+        for i, ev in step.items():
+            ids[i].append(ev.token_id)
     assert ids == alone
     with pytest.raises(ValueError, match="needs every row's rank subset"):
         engine.stream_batch(prompts[:1], [greedy], [None])
+
+
+@pytest.mark.parametrize("fast_path", ["off", "torch"])
+def test_rows_with_their_own_subsets_join_a_running_batch(svd_llm_dir, fast_path):
+    """Continuous batching on a PARSE model: rows join a running batch with their own subsets (the slots reloaded
+    or the masks re-applied, the batch moved to larger buckets), prompts scored and routed between steps leave the
+    batch's masks alone, and each row's tokens are what it gets alone with its subset."""
+    engine = Engine.load(svd_llm_dir, fast_path=fast_path)
+    prompts = ["Once upon a time", "Lily and Ben went to the park", "The dog"]
+    greedy = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    subsets = [engine.rank_subset(p) for p in prompts]
+    alone = [engine.generate(p, greedy, s).token_ids for p, s in zip(prompts, subsets)]
+    stream = engine.stream_batch(prompts[:1], [greedy], subsets[:1])
+    got: dict[int, list[int]] = {}
+    for step in range(30):
+        if step in (2, 5):
+            j = 1 if step == 2 else 2
+            assert stream.add(prompts[j], greedy, subsets[j]) == j
+        if step == 3:  # what the worker does for a joining request between steps
+            engine.rank_subset(prompts[2])
+            engine.prompt_logprobs(prompts[1], 2, subsets[1])
+        try:
+            events = next(stream)
+        except StopIteration:
+            break
+        for i, ev in events.items():
+            got.setdefault(i, []).append(ev.token_id)
+    assert [got[i] for i in range(3)] == alone and stream._batch.moves >= 2
+    with pytest.raises(ValueError, match="needs every row's rank subset"):
+        stream.add(prompts[0], greedy)
 
 
 def test_worker_batch_of_hits_and_misses(svd_llm_dir):

@@ -1,13 +1,15 @@
 """Engine: prompts in, tokens out. Holds one model, its tokenizer and the generation loop.
 
-generate → prefill (the whole batch, right-padded, into a fresh dense KV cache) → decode steps (one token
-per row per step) until every row hits EOS, a stop token or string, or its token budget.
+generate → rows join a batch (`_Batch`) → each step: finished rows leave, joining rows are prefilled into free
+slots of the dense KV cache, every row decodes one token, until each hits EOS, a stop token or string, or its
+token budget. Rows join and leave between steps (continuous batching: `stream_batch` + `BatchStream.add`).
 A PARSE checkpoint masks each row's rank components once at prefill and keeps them for every decode step of the
 request (rank reuse; `workers/parse.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -81,6 +83,15 @@ class _Row:
         self.logprobs_sent = 0  # entries handed out by `new_logprobs`
         self.cut = False  # ended on a stop string (the text was cut)
         self.text_len = 0  # characters of the generated tokens' text (before any cut): the next token's offset
+        # its place in a batch (`_Batch`): slot, PARSE subset, the token to feed next, the logits (and on the fast
+        # path the device's argmax) its next token comes from, tokens in its context, cache positions it may fill
+        self.slot = -1
+        self.subset: dict | None = None
+        self.fed: int | None = None
+        self.logits: torch.Tensor | None = None  # (V,)
+        self.pick: int | None = None
+        self.pos = len(prompt_ids)
+        self.need = 0
 
     def push(self, token: int, tok: Tokenizer, last: bool = False) -> str:
         """Append a token; return the newly releasable text and set `finish` when the row is done (`last`: the
@@ -256,18 +267,28 @@ class Engine:
                                            self.routers, self.parse_pull)
                 for i, sub in zip(g, together):
                     routed[i] = sub
+        common = self._row_subset(subset, False) if subset is not None else None  # refused on a static model
         for g in groups:
-            for _ in self._decode([rows[i] for i in g], subset, None if routed is None else [routed[i] for i in g]):
-                pass
+            self._run_rows([rows[i] for i in g], None if self.routers is None else
+                           [common] * len(g) if common is not None else [routed[i] for i in g])
         return [GenerationResult(r.released, r.ids, len(r.prompt_ids), r.finish or "length",
                                  r.released_logprobs() if r.params.logprobs is not None else None) for r in rows]
 
     def stream(self, prompt: str, params: SamplingParams | None = None, subset: dict | None = None) -> Iterator[StreamEvent]:
         """Yield one event per generated token; closing the generator cancels the request."""
-        row = _Row(self.encode_prompt(prompt, params or SamplingParams()), params or SamplingParams(), self.eos)
-        for step in self._decode([row], subset):
-            token, delta = step[0]
-            yield StreamEvent(token, delta, row.finish, row.new_logprobs() if row.params.logprobs is not None else None)
+        params = params or SamplingParams()
+        row = _Row(self.encode_prompt(prompt, params), params, self.eos)
+        if subset is None and self.routers is not None:
+            subset = select(self.model, self.routers, row.prompt_ids)
+        batch = _Batch(self)
+        batch.add(row, self._row_subset(subset, False) if subset is not None else None)
+        try:
+            while step := batch.step():
+                (_, token, delta), = step
+                yield StreamEvent(token, delta, row.finish,
+                                  row.new_logprobs() if row.params.logprobs is not None else None)
+        finally:
+            batch.close()
 
     @torch.inference_mode()
     def prompt_logprobs(self, prompt: str, top: int = 0, subset: dict | None = None) -> list[TokenLogprob]:
@@ -315,21 +336,29 @@ class Engine:
 
     def stream_batch(self, prompts: list[str], params: list[SamplingParams],
                      subsets: list[dict | None] | None = None, checked: bool = False) -> "BatchStream":
-        """Requests decoding together, one step per `next()` (the worker's batches). `subsets`: each row's PARSE
-        rank subset (`rank_subset` or the rank cache's), required on a PARSE model, None on a static one;
-        `checked`: each came from `rank_subset` or `parse.validate` already (a 7B subset holds ~330 K indices)."""
+        """Requests decoding together, one step per `next()`, rows numbered 0.. in order; more may join between
+        steps (`BatchStream.add`). `subsets`: each row's PARSE rank subset (`rank_subset` or the rank cache's),
+        required on a PARSE model, None on a static one; `checked`: each came from `rank_subset` or
+        `parse.validate` already (a 7B subset holds ~330 K indices)."""
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if len(prompts) > self.max_batch_size:
+            raise ValueError(f"batch of {len(prompts)} exceeds max_batch_size {self.max_batch_size}")
         subsets = subsets if subsets is not None else [None] * len(prompts)
-        rows = [_Row(self.encode_prompt(p, sp), sp, self.eos) for p, sp in zip(prompts, params)]
+        stream = BatchStream(self)
+        for p, sp, sub in zip(prompts, params, subsets):
+            stream.add(p, sp, sub, checked)
+        return stream
+
+    def _row_subset(self, subset: dict | None, checked: bool) -> dict | None:
+        """A row's PARSE subset, validated unless `checked`; refused where the model takes none or needs one."""
         if self.routers is None:
-            if any(s is not None for s in subsets):
+            if subset is not None:
                 raise ValueError("this model has no PARSE rank experts; it cannot take a rank subset")
-            return BatchStream(rows, self._decode(rows, None))
-        if any(s is None for s in subsets):
+            return None
+        if subset is None:
             raise ValueError("a PARSE model's batch needs every row's rank subset (Engine.rank_subset)")
-        return BatchStream(rows, self._decode(rows, None, subsets if checked else
-                                              [validate(s, self.routers) for s in subsets]))
+        return subset if checked else validate(subset, self.routers)
 
     def _fast_decoder(self, B: int, S: int, subsets: list[dict] | None = None) -> FastDecoder | None:
         """The thin decode path for (B, S), built once per batch size and cache-length bucket; None = eager."""
@@ -338,7 +367,7 @@ class Engine:
             mode = "triton" if self.device.type == "cuda" else "off"
         if mode == "off":
             return None
-        S = min(max(256, 1 << (S - 1).bit_length()), self.max_seq_len)  # power-of-two buckets: few graphs
+        S = self._span(S)  # power-of-two buckets: few graphs
         graph = "step" if self.device.type == "cuda" else "none"  # whole-step graph: measured fastest
         if subsets is not None:  # PARSE: rank slots per (B, S), loaded with this batch's subsets (no recapture)
             if (B, S) not in self._slots:
@@ -387,112 +416,286 @@ class Engine:
         return select(self.model, self.routers, self.encode_prompt(prompt))
 
     # --- the loop --------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def _decode(self, rows: list[_Row], subset: dict | None,
-                routed: list[dict] | None = None) -> Iterator[list[tuple[int, str]]]:
-        if subset is not None and self.routers is None:
-            raise ValueError("this model has no PARSE rank experts; it cannot take a rank subset")
-        if len(rows) > self.max_batch_size:
-            raise ValueError(f"batch of {len(rows)} exceeds max_batch_size {self.max_batch_size}")
-        if self.routers is None:
-            yield from self._steps(rows)
-            return
-        # PARSE: `subset` (None: each row's own routed subset) masks the prefill and every decode step (rank reuse);
-        # on the fast path the subsets are gathered into rank slots instead (workers/parse_decode.py)
-        subsets = ([validate(subset, self.routers)] * len(rows) if subset is not None else
-                   routed or [select(self.model, self.routers, r.prompt_ids) for r in rows])
-        try:
-            yield from self._steps(rows, subsets)
-        finally:
-            clear(self.model)
+    def _bucket(self, n: int) -> int:
+        """Batch size that n rows run in: the next of BATCH_BUCKETS, then multiples of 8, at most max_batch_size."""
+        b = next((b for b in BATCH_BUCKETS if b >= n), -(-n // 8) * 8)
+        return max(min(b, self.max_batch_size), n)
 
-    def _steps(self, rows: list[_Row], subsets: list[dict] | None = None) -> Iterator[list[tuple[int, str]]]:
-        B = len(rows)
-        lens = [len(r.prompt_ids) for r in rows]
-        budget = max(l + r.params.max_new_tokens for l, r in zip(lens, rows))
-        S_max = min(budget, self.max_seq_len)
-        cfg = self.cfg
-        # finished rows keep stepping in the fast path, so its cache holds the longest prompt + the largest budget
-        need = max(lens) + max(r.params.max_new_tokens for r in rows)
-        # eager when a row may reach the context limit, and for PARSE with re-routing (subsets change mid-request)
-        fast = need <= self.max_seq_len and not (self.routers is not None and self.reroute_every)
-        # the fast path runs in a bucket's batch size (few decoders to build and hold); idle rows pad it: one token
-        # each, stepping along unread (PARSE: the first row's subset, which adds nothing to the slots' union)
-        B_run = next((b for b in BATCH_BUCKETS if b >= B), B) if fast else B
-        run_subsets = None if subsets is None else subsets + [subsets[0]] * (B_run - B)
-        dec = self._fast_decoder(B_run, need, run_subsets) if fast else None
-        if dec is None:
-            B_run = B
-        tokens = torch.zeros(B_run, max(lens), dtype=torch.long)
-        for b, r in enumerate(rows):
-            tokens[b, :lens[b]] = torch.tensor(r.prompt_ids)
-        tokens[B:, 0] = rows[0].prompt_ids[0]
-        lengths = torch.tensor(lens + [1] * (B_run - B), dtype=torch.int32, device=self.device)
-        if dec is None and subsets is not None:  # eager PARSE: mask the pool (the fast path gathered slots instead)
-            apply(self.model, subsets)
-        if dec is not None:
-            logits = dec.prefill(tokens.to(self.device), lengths)  # (B_run, V)
-        else:
-            cache = KVCache(cfg.num_hidden_layers, B, S_max, cfg.num_key_value_heads, cfg.head_dim,
-                            device=self.device, dtype=self.model.embed.weight.dtype)
-            logits = self.model(tokens.to(self.device), cache, lengths, last_only=True)  # (B, V)
-        pos = list(lens)
-        n_steps = 0  # tokens generated per row so far (PARSE re-routing)
-        chosen = None  # greedy rows after a fast-path step: the argmax the step took on the device (one sync)
-        while True:
-            step = []
-            for b, r in enumerate(rows):
-                if r.finish is not None:
-                    step.append((-1, ""))
-                    continue
-                if chosen is not None and r.params.temperature == 0:
-                    t = chosen[b]
-                else:
-                    t = sample(logits[b], r.params, r.gen)
-                if r.params.logprobs is not None:
-                    r.logprob(logits[b], t, self.tokenizer)
-                pos[b] += 1
-                step.append((t, r.push(t, self.tokenizer, last=pos[b] >= S_max)))  # last: out of context
-            yield step
-            if all(r.finish is not None for r in rows):
+    def _span(self, need: int) -> int:
+        """Cache length for rows needing `need` positions: power-of-two buckets from 256 (few decoders to build)."""
+        return min(max(256, 1 << (need - 1).bit_length()), self.max_seq_len)
+
+    def _run_rows(self, rows: list[_Row], subsets: list[dict] | None) -> None:
+        """Decode `rows` together to their ends (PARSE: `subsets`, one per row, validated)."""
+        if self.routers is not None and subsets is None:
+            raise ValueError("a PARSE model's rows each need a rank subset")
+        batch = _Batch(self)
+        for i, r in enumerate(rows):
+            batch.add(r, None if subsets is None else subsets[i])
+        try:
+            while batch.step():
+                pass
+        finally:
+            batch.close()
+
+
+class _Batch:
+    """Rows decoding together, joining and leaving between steps (continuous batching).
+
+    Each running row holds a slot of the decoder in use: on the fast path a `FastDecoder` (PARSE: `ParseSlots`)
+    of a batch-size bucket (1, 2, 4, 8) and cache-length bucket; on the eager path the model with a `KVCache` of
+    that size. One `step()`:
+        free the slots of rows that finished → move to another bucket when the running and joining rows need one
+        (their KV rows copied, running rows first) → one decode step for the running rows → prefill the joining
+        rows into their slots → sample each row's next token.
+    A slot with no row steps along on the fast path (static shapes) and its writes are never read; its position
+    is reset before it could run past the cache. PARSE rows keep their own subsets: the slots are reloaded with
+    the new arrangement's union when rows join or move (no recapture), the eager path's masks re-applied.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.e = engine
+        self.fast = not (engine.routers is not None and engine.reroute_every)  # re-routing changes masks: eager
+        self.slots: list[_Row | None] = []  # slot -> its row
+        self.B, self.S = 0, 0  # the layout in use: batch-size bucket, cache length
+        self.dec: FastDecoder | None = None  # fast path
+        self.cache: KVCache | None = None  # eager path
+        self.lens: list[int] = []  # host mirror of the cache's seqlens, per slot
+        self.joining: list[_Row] = []
+        self.masks: dict[str, torch.Tensor | None] | None = None  # eager PARSE: the batch's masks, re-installed
+        self.moves = 0  # layout changes after the first (tests, benchmarks)
+
+    def add(self, row: _Row, subset: dict | None) -> None:
+        """Queue `row` (its subset validated) to join at the next step."""
+        if len(self.running()) + len(self.joining) >= self.e.max_batch_size:
+            raise ValueError(f"the batch is full ({self.e.max_batch_size} rows)")
+        row.subset = subset
+        row.need = min(row.pos + row.params.max_new_tokens, self.e.max_seq_len)
+        self.joining.append(row)
+
+    def running(self) -> list[_Row]:
+        return [r for r in self.slots if r is not None and r.finish is None]
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[_Row, int, str]]:
+        """One token for every running and joining row: (row, token, new text); [] once none is left."""
+        e = self.e
+        for s, r in enumerate(self.slots):  # rows that finished (or were stopped) leave
+            if r is not None and r.finish is not None:
+                self.slots[s] = None
+                self._reset([s])
+        running = self.running()
+        joining = [r for r in self.joining if r.finish is None]
+        self.joining = []
+        if not running and not joining:
+            return []
+        self._arrange(running, joining)
+        if self.masks is not None:  # eager PARSE: a prompt scored or routed between steps used the model's masks
+            for n, lin in e.model.projections().items():
+                lin.mask = self.masks.get(n)
+        if running:
+            self._decode_step(running)
+        if joining:
+            self._prefill(joining)
+        out = []
+        for r in sorted(running + joining, key=lambda r: r.slot):
+            if r.pick is not None and r.params.temperature == 0:
+                t = r.pick  # the argmax the fast step took on the device
+            else:
+                t = sample(r.logits, r.params, r.gen)
+            if r.params.logprobs is not None:
+                r.logprob(r.logits, t, e.tokenizer)
+            r.pos += 1
+            out.append((r, t, r.push(t, e.tokenizer, last=r.pos >= e.max_seq_len)))  # last: out of context
+            r.fed, r.pick, r.logits = t, None, None
+        if e.reroute_every and e.routers is not None:  # eager PARSE: re-route a row every N of its tokens
+            due = [r for r, _, _ in out if r.finish is None and r.ids and len(r.ids) % e.reroute_every == 0]
+            for r in due:
+                r.subset = select(e.model, e.routers, r.prompt_ids + r.ids)
+            if due:
+                self._apply_masks()
+        return out
+
+    def close(self) -> None:
+        if self.e.routers is not None and self.dec is None:
+            clear(self.e.model)
+
+    # --- layout ---
+    def _arrange(self, running: list[_Row], joining: list[_Row]) -> None:
+        """Give the joining rows slots, in the bucket the rows need (moving the running rows when it changes)."""
+        e = self.e
+        n = len(running) + len(joining)
+        B = e._bucket(n)
+        S = e._span(max(r.need for r in running + joining))
+        if B == self.B and S <= self.S:  # the layout holds them: stay (a smaller bucket or a longer cache moves)
+            if not joining:
                 return
-            nxt = torch.tensor([[max(t, 0)] for t, _ in step] + [[0]] * (B_run - B), dtype=torch.long,
-                               device=self.device)
-            if dec is not None:  # static shapes: every row steps (a finished row's tokens are ignored)
-                logits = dec.step(nxt[:, 0])
-                if dec.dcfg.greedy and any(r.finish is None and r.params.temperature == 0 for r in rows):
-                    chosen = dec.tokens.tolist()
-                continue
-            n_steps += 1
-            if self.reroute_every and self.routers is not None and n_steps % self.reroute_every == 0:
-                apply(self.model, [select(self.model, self.routers, r.prompt_ids + r.ids) for r in rows])
-            active = torch.tensor([r.finish is None for r in rows], dtype=torch.int32, device=self.device)
-            logits = self.model(nxt, cache, active, last_only=True)  # finished rows: length 0, cache untouched
+            slots = list(self.slots)  # joiners take free slots; the running rows stay where they are
+            free = iter([s for s, r in enumerate(slots) if r is None])
+            for r in joining:
+                slots[next(free)] = r
+            B, S = self.B, self.S
+        else:
+            slots = running + joining + [None] * (B - n)
+        subsets = None if e.routers is None else [(r or (running + joining)[0]).subset for r in slots]
+        old = (self.dec.cache if self.dec is not None else self.cache) if self.B else None
+        old_slot = {id(r): r.slot for r in running}
+        if self.fast:
+            self.dec = e._fast_decoder(B, S, subsets)  # PARSE: the slots loaded with this arrangement's union
+        if self.dec is None and (B, S) != (self.B, self.S):
+            cfg = e.cfg
+            self.cache = KVCache(cfg.num_hidden_layers, B, S, cfg.num_key_value_heads, cfg.head_dim,
+                                 device=e.device, dtype=e.model.embed.weight.dtype)
+        if (B, S) != (self.B, self.S):
+            new = self.dec.cache if self.dec is not None else self.cache
+            new.reset()  # a decoder used before: stale positions in every slot
+            old_lens, self.lens = self.lens, [0] * B
+            moved = [(old_slot[id(r)], s) for s, r in enumerate(slots) if r is not None and id(r) in old_slot]
+            if moved and old is not None:  # the running rows' KV, positions up to what they filled
+                src = torch.tensor([a for a, _ in moved], device=e.device)
+                dst = torch.tensor([b for _, b in moved], device=e.device)
+                m = min(old.max_seq_len, S)
+                new._k[:, dst, :m] = old._k[:, src, :m]
+                new._v[:, dst, :m] = old._v[:, src, :m]
+                new.seqlens[dst] = old.seqlens[src]
+                for a, b in moved:
+                    self.lens[b] = old_lens[a]
+            self.moves += self.B > 0
+        for s, r in enumerate(slots):
+            if r is not None:
+                r.slot = s
+        self.slots, self.B, self.S = slots, B, S
+        if self.dec is None and subsets is not None:
+            self._apply_masks()
+
+    def _apply_masks(self) -> None:
+        """Eager PARSE: each slot's row's subset as its mask row (a free slot takes another row's: unread)."""
+        first = next(r for r in self.slots if r is not None)
+        apply(self.e.model, [(r or first).subset for r in self.slots])
+        self.masks = {n: lin.mask for n, lin in self.e.model.projections().items()}
+
+    def _reset(self, slots: list[int]) -> None:
+        """Positions of slots with no row back to 0: a fast step advances them too."""
+        cache = self.dec.cache if self.dec is not None else self.cache
+        if slots and cache is not None:
+            cache.seqlens[torch.tensor(slots, device=self.e.device)] = 0
+            for s in slots:
+                self.lens[s] = 0
+
+    # --- compute ---
+    def _decode_step(self, running: list[_Row]) -> None:
+        """Feed each running row's last token; its next logits (fast path: and the device's argmax) on the row."""
+        e, B = self.e, self.B
+        nxt = torch.zeros(B, dtype=torch.long)
+        for r in running:
+            nxt[r.slot] = r.fed
+        nxt = nxt.to(e.device)
+        if self.dec is not None:
+            idle = [s for s, r in enumerate(self.slots) if r is None and self.lens[s] >= self.S - 1]
+            self._reset(idle)  # every slot steps: keep the idle ones inside the cache
+            logits = self.dec.step(nxt)  # (B, V) a static buffer: read before the next step
+            self.lens = [l + 1 for l in self.lens]
+            picks = self.dec.tokens.tolist() if self.dec.dcfg.greedy and any(
+                r.params.temperature == 0 for r in running) else None
+        else:
+            active = torch.zeros(B, dtype=torch.int32)
+            active[[r.slot for r in running]] = 1
+            logits = e.model(nxt[:, None], self.cache, active.to(e.device), last_only=True)  # others: untouched
+            for r in running:
+                self.lens[r.slot] += 1
+            picks = None
+        for r in running:
+            r.logits = logits[r.slot]
+            r.pick = picks[r.slot] if picks is not None else None
+
+    def _prefill(self, joining: list[_Row]) -> None:
+        """The joining rows' prompts into their slots, one forward per run of neighbouring slots."""
+        e = self.e
+        model = self.dec.model if self.dec is not None else e.model
+        cache = self.dec.cache if self.dec is not None else self.cache
+        rows = sorted(joining, key=lambda r: r.slot)
+        runs = [[rows[0]]]
+        for r in rows[1:]:
+            if r.slot == runs[-1][-1].slot + 1:
+                runs[-1].append(r)
+            else:
+                runs.append([r])
+        for run in runs:
+            a, b = run[0].slot, run[-1].slot + 1
+            lens = [len(r.prompt_ids) for r in run]
+            tokens = torch.zeros(len(run), max(lens), dtype=torch.long)
+            for i, r in enumerate(run):
+                tokens[i, :lens[i]] = torch.tensor(r.prompt_ids)
+            view = cache.rows(a, b)
+            view.seqlens.zero_()
+            with _mask_rows(model, a, b):
+                logits = model(tokens.to(e.device), view, torch.tensor(lens, dtype=torch.int32, device=e.device),
+                               last_only=True)  # (b - a, V)
+            for i, r in enumerate(run):
+                r.logits = logits[i]
+                self.lens[r.slot] = lens[i]
 
 
 class BatchStream:
-    """Rows decoding together (`Engine.stream_batch`). Each `next()` runs one step and returns one entry per row:
-    its `StreamEvent`, or None once the row has finished. `stop(i, reason)` ends row i before the next step (a
-    request cancelled or past its deadline) while the others go on; iteration ends when every row has finished."""
+    """Rows decoding together (`Engine.stream_batch`); more join between steps (`add`, continuous batching).
+    Rows are numbered in the order they were added. Each `next()` runs one step and returns {row: StreamEvent} for
+    the rows that made a token; a row that has finished is forgotten at the step after its last event.
+    `stop(i, reason)` ends row i before the next step while the others go on; iteration ends when no row is left."""
 
-    def __init__(self, rows: list[_Row], steps: Iterator[list[tuple[int, str]]]) -> None:
-        self.rows, self._steps = rows, steps
+    def __init__(self, engine: Engine) -> None:
+        self.e, self._batch = engine, _Batch(engine)
+        self.rows: dict[int, _Row] = {}  # the rows not yet finished (or finished at the last step)
+        self._next_id = 0
+
+    def add(self, prompt: str, params: SamplingParams, subset: dict | None = None, checked: bool = False) -> int:
+        """Queue a request to join at the next step; -> its row number. `subset`: its PARSE rank subset (required
+        on a PARSE model, None on a static one); `checked`: it came from `rank_subset` or `parse.validate`.
+        Raises ValueError for a bad prompt or subset, or when `room()` is 0."""
+        row = _Row(self.e.encode_prompt(prompt, params), params, self.e.eos)
+        self._batch.add(row, self.e._row_subset(subset, checked))
+        self.rows[self._next_id] = row
+        self._next_id += 1
+        return self._next_id - 1
+
+    def room(self) -> int:
+        """How many more rows may join now."""
+        return self.e.max_batch_size - len(self._batch.running()) - len(self._batch.joining)
 
     def __iter__(self) -> "BatchStream":
         return self
 
-    def __next__(self) -> list[StreamEvent | None]:
-        step = next(self._steps)
-        return [None if t < 0 else
-                StreamEvent(t, text, r.finish, r.new_logprobs() if r.params.logprobs is not None else None)
-                for (t, text), r in zip(step, self.rows)]
+    def __next__(self) -> dict[int, StreamEvent]:
+        for i in [i for i, r in self.rows.items() if r.finish is not None]:
+            del self.rows[i]
+        step = self._batch.step()
+        if not step:
+            raise StopIteration
+        made = {id(r): (t, text) for r, t, text in step}
+        return {i: StreamEvent(made[id(r)][0], made[id(r)][1], r.finish,
+                               r.new_logprobs() if r.params.logprobs is not None else None)
+                for i, r in self.rows.items() if id(r) in made}
 
     def stop(self, i: int, reason: str) -> None:
-        if self.rows[i].finish is None:
-            self.rows[i].finish = reason
+        r = self.rows.get(i)
+        if r is not None and r.finish is None:
+            r.finish = reason
 
     def close(self) -> None:
-        self._steps.close()
+        self._batch.close()
+
+
+@contextlib.contextmanager
+def _mask_rows(model: Transformer, a: int, b: int) -> Iterator[None]:
+    """PARSE masks (B, r) narrowed to rows a..b-1, for a prefill of those rows alone."""
+    saved = {n: lin.mask for n, lin in model.projections().items() if lin.factorized and lin.mask is not None}
+    try:
+        for n, m in saved.items():
+            model.projections()[n].mask = m[a:b]
+        yield
+    finally:
+        lins = model.projections()
+        for n, m in saved.items():
+            lins[n].mask = m
 
 
 def _cache_bytes(dec: FastDecoder) -> int:

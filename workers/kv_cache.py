@@ -25,6 +25,15 @@ class KVCache:
     def batch_size(self) -> int:
         return self.seqlens.shape[0]
 
+    def rows(self, a: int, b: int) -> "KVCache":
+        """Rows a..b-1 as a cache of their own, sharing this one's storage (a prefill of joining rows)."""
+        view = KVCache.__new__(KVCache)
+        view.max_seq_len = self.max_seq_len
+        view._k, view._v = self._k[:, a:b], self._v[:, a:b]  # (L, b - a, S_max + 1, H_kv, D)
+        view.k, view.v = self.k[:, a:b], self.v[:, a:b]
+        view.seqlens = self.seqlens[a:b]
+        return view
+
     def reset(self) -> None:
         self.seqlens.zero_()
 
