@@ -29,8 +29,8 @@ from rankserve.workers.sampler import MAX_LOGPROBS, MIN_TEMPERATURE  # MIN: smal
 
 MAX_STOP = 4  # OpenAI's limit on stop strings
 MAX_PROMPT_CHARS = 1_000_000  # refuse absurd bodies before tokenizing them; the token limit is the real bound
-MAX_CHOICES = 8  # prompts x n per request: each choice is one generation, and a batch (max_batch_size 8 by
-# default) takes no new rows once running: more choices than a batch holds would wait for its longest row
+MAX_CHOICES = 8  # prompts x n per request: each choice is one generation, and a replica's batch holds
+# max_batch_size rows (8 by default): more choices than it holds would wait for others' rows to finish
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1  # the proto's int64 seed, and what torch.Generator.manual_seed takes
 
 

@@ -1,9 +1,10 @@
 """Worker: one Serve deployment per compression family (`Worker-<family>`), wrapping `workers.Engine`.
 
 Requests decode in batches: a replica's batch loop takes up to `max_batch_size` waiting requests (FIFO) and
-decodes them together (`Engine.stream_batch`), one step for every row at a time, until each has finished; requests
-that arrive meanwhile wait for the next batch (static batching: a new request does not join a running batch).
-Waiting and running requests are what Serve's autoscaler sees as ongoing requests. Every engine call runs on one
+decodes them together (`Engine.stream_batch`), one step for every row at a time. Requests that arrive meanwhile
+join the running batch between steps while it has room (continuous batching; `join_running=False`: they wait for
+the next batch), and a row that finishes frees its place at once. Waiting and running requests are what Serve's
+autoscaler sees as ongoing requests. Every engine call runs on one
 dedicated thread, one decode step per hop, so the event loop stays free between tokens: a cancelled request
 (client gone) leaves its batch at the next step, and a request past its deadline ends there too; the other rows
 go on.
@@ -56,6 +57,8 @@ class FamilySpec:
     max_batch_size: int = 8
     batch_wait_ms: float = 5.0  # how long the batch loop waits for more requests before starting a partial batch
     # (a lone request's first token comes that much later; 0: off). Measured: bench/results/worker-batching-cpu-jitter.md
+    join_running: bool = True  # requests join a running batch between steps (continuous batching); False: static
+    # batches, each decoded to its end while new requests wait (measured against: worker-batching-cpu-continuous.md)
     decoder_memory_gb: float | None = None  # what the GPU fast path's decoders may hold (KV caches of each batch-size
     # and context bucket, PARSE slot weights); least recently used dropped first. None: 40 % of the GPU's memory
     model_version: str | None = None  # rank-cache namespace; None = derived from the checkpoint's files
@@ -144,7 +147,7 @@ class Worker:
                                 "arrival at the replica to first token (queueing included)", LATENCY_BUCKETS, tags)
         self.m_queue = Histogram("rankserve_worker_queue_seconds", "time waiting for the engine", LATENCY_BUCKETS, tags)
         self.m_rate = Histogram("rankserve_decode_tokens_per_second", "per-request decode speed", RATE_BUCKETS, tags)
-        self.m_batch_rows = Histogram("rankserve_worker_batch_rows", "requests per batch", BATCH_BUCKETS, tags)
+        self.m_batch_rows = Histogram("rankserve_worker_batch_rows", "rows per decode step", BATCH_BUCKETS, tags)
         self.m_waiting = Gauge("rankserve_worker_requests_waiting", "requests queued for the engine", tags)
         self.m_running = Gauge("rankserve_worker_requests_running", "requests generating (the batch's size)", tags)
         for g in (self.m_waiting, self.m_running):
@@ -272,96 +275,114 @@ class Worker:
         self.m_waiting.set(len(self._pending), tags={"family": self.family})
 
     async def _batches(self) -> None:
-        """The batch loop: while requests wait, take up to max_batch_size of them (FIFO) and decode them together
-        until each has finished; requests that arrive meanwhile wait for the next batch."""
+        """The batch loop: while requests wait, take up to max_batch_size of them (FIFO) and decode them together;
+        requests that arrive meanwhile join between steps (`join_running`) or wait for the next batch."""
         while True:
             if 0 < len(self._pending) < self.engine.max_batch_size and self.spec.batch_wait_ms > 0:
                 # a short wait for more: requests rarely arrive together (clients of the last batch come back one
-                # by one), and a batch started with one row keeps the others waiting until it ends
+                # by one), and each joining row costs the running rows a prefill
                 await asyncio.sleep(self.spec.batch_wait_ms / 1e3)
-            batch: list[_Pending] = []
-            while self._pending and len(batch) < self.engine.max_batch_size:
-                req = self._pending.popleft()
-                if not req.cancelled and time.monotonic() < req.deadline:  # else its consumer answers it
-                    req.started = True
-                    batch.append(req)
-            self._set_waiting()
+            batch = self._take(self.engine.max_batch_size)
             if batch:
-                self.m_batch_rows.observe(len(batch), tags={"family": self.family})
-                self._running = batch  # until it ends: what _batcher_ended fails if the loop dies meanwhile
                 await self._run_batch(batch)
-                self._running = []
             elif not self._pending:
                 self._wake.clear()
                 await self._wake.wait()
 
-    async def _run_batch(self, batch: list[_Pending]) -> None:
-        """Decode one batch to its end; never raises (a failure goes to the requests it hits)."""
+    def _take(self, n: int) -> list["_Pending"]:
+        """Up to n waiting requests, FIFO, marked started (the cancelled and expired are their consumers' to
+        answer)."""
+        batch: list[_Pending] = []
+        while self._pending and len(batch) < n:
+            req = self._pending.popleft()
+            if not req.cancelled and time.monotonic() < req.deadline:
+                req.started = True
+                batch.append(req)
+        self._set_waiting()
+        self._running.extend(batch)  # until they end: what _batcher_ended fails if the loop dies meanwhile
+        return batch
+
+    async def _run_batch(self, first: list["_Pending"]) -> None:
+        """Decode a batch to its end, admitting waiting requests between steps; never raises (a failure goes to
+        the requests it hits)."""
         tags = {"family": self.family}
-        self.m_running.set(len(batch), tags=tags)
         stream = None
+        live: dict[int, _Pending] = {}  # the batch's row number -> its request
+        routed: dict[str, dict | None] = {}  # prompt -> the routers' subset: a prompt's n choices route once
         try:
-            live = []
-            routed: dict[str, dict | None] = {}  # prompt -> the routers' subset: a prompt's n choices route once
-            for req in batch:
-                self.m_queue.observe(time.monotonic() - req.t0, tags=tags)
-                try:
-                    if req.cached and self.engine.routers is not None:
-                        req.subset = await self._call(self._check_subset, req.subset)
-                        req.cached = req.subset is not None
-                    if not req.cached and req.prompt in routed:
-                        req.subset = routed[req.prompt]
-                    elif not req.cached:  # a miss: the model's own routers choose (None = static ranks)
-                        req.subset = routed[req.prompt] = await self._call(self.engine.rank_subset, req.prompt)
-                        if req.subset is not None:  # None: a static family, no routers ran
-                            self.m_router_runs.inc(tags=tags)
-                    start = dict(event="start", prompt_tokens=req.n_prompt, subset=req.subset, cached=req.cached)
-                    if req.echo:  # the prompt's own logprobs, scored with the request's subset
-                        scored = await self._call(self.engine.prompt_logprobs, req.prompt, req.params.logprobs,
-                                                  req.subset)
-                        start["prompt_logprobs"] = [dataclasses.asdict(l) for l in scored]
-                except Exception as e:
-                    self._fail(req, e)
-                    continue
-                req.events.put_nowait(start)
-                if req.score_only:
-                    self._end(req, "length")
-                else:
-                    live.append(req)
-            if not live:
-                return
-            stream = await self._call(self.engine.stream_batch, [r.prompt for r in live], [r.params for r in live],
-                                      [r.subset for r in live], True)  # each subset checked or routed above
+            stream = await self._call(self.engine.stream_batch, [], [], [], True)
+            joining = first
             while True:
+                if joining:
+                    await self._admit(stream, joining, live, routed)
                 now = time.monotonic()
-                for i, req in enumerate(live):  # between steps: rows whose client left or whose time is up
+                for i, req in live.items():  # between steps: rows whose client left or whose time is up
                     if req.finish is None and req.cancelled:
                         stream.stop(i, "cancelled")
                         self._end(req, "cancelled")
                     elif req.finish is None and now > req.deadline:
                         stream.stop(i, "timeout")
                         self._end(req, "timeout")
-                running = sum(r.finish is None for r in live)
-                self.m_running.set(running, tags=tags)
-                if not running:
+                live = {i: r for i, r in live.items() if r.finish is None}
+                self._running = [r for r in self._running if r.finish is None]
+                self.m_running.set(len(live), tags=tags)
+                if not live:
+                    if self.spec.join_running and self._pending:  # the batch emptied as others arrived
+                        joining = self._take(stream.room())
+                        continue
                     break
+                self.m_batch_rows.observe(len(live), tags=tags)
                 step = await self._call(next, stream, None)
                 if step is None:  # the engine ended without a reason: count it as length
-                    for req in live:
-                        if req.finish is None:
-                            self._end(req, "length")
+                    for req in live.values():
+                        self._end(req, "length")
                     break
-                for req, ev in zip(live, step):
-                    if ev is not None and req.finish is None:
-                        self._token(req, ev)
+                for i, ev in step.items():
+                    if live[i].finish is None:
+                        self._token(live[i], ev)
+                # continuous batching: waiting requests take the places free for the next step
+                joining = self._take(stream.room()) if self.spec.join_running and self._pending else []
         except Exception as e:  # a failed step fails the batch's unfinished requests; CancelledError passes
-            for req in batch:
+            for req in self._running:
                 if req.finish is None:
                     self._fail(req, e)
         finally:
             if stream is not None:  # closed on the engine thread, queued behind any step in flight
                 self._thread.submit(stream.close)
+            self._running = []
             self.m_running.set(0, tags=tags)
+
+    async def _admit(self, stream, reqs: list["_Pending"], live: dict[int, "_Pending"],
+                     routed: dict[str, dict | None]) -> None:
+        """Prepare each request on the engine thread (check a cached subset or route a miss, score an echoed
+        prompt), send its start event and add it to the batch; a failure fails that request only."""
+        tags = {"family": self.family}
+        for req in reqs:
+            self.m_queue.observe(time.monotonic() - req.t0, tags=tags)
+            try:
+                if req.cached and self.engine.routers is not None:
+                    req.subset = await self._call(self._check_subset, req.subset)
+                    req.cached = req.subset is not None
+                if not req.cached and req.prompt in routed:
+                    req.subset = routed[req.prompt]
+                elif not req.cached:  # a miss: the model's own routers choose (None = static ranks)
+                    req.subset = routed[req.prompt] = await self._call(self.engine.rank_subset, req.prompt)
+                    if req.subset is not None:  # None: a static family, no routers ran
+                        self.m_router_runs.inc(tags=tags)
+                start = dict(event="start", prompt_tokens=req.n_prompt, subset=req.subset, cached=req.cached)
+                if req.echo:  # the prompt's own logprobs, scored with the request's subset
+                    scored = await self._call(self.engine.prompt_logprobs, req.prompt, req.params.logprobs,
+                                              req.subset)
+                    start["prompt_logprobs"] = [dataclasses.asdict(l) for l in scored]
+                i = None if req.score_only else await self._call(stream.add, req.prompt, req.params, req.subset, True)
+            except Exception as e:
+                self._fail(req, e)
+                continue
+            req.events.put_nowait(start)
+            if req.score_only:
+                self._end(req, "length")
+            else:
+                live[i] = req
 
     def _token(self, req: "_Pending", ev) -> None:
         now = time.monotonic()

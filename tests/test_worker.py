@@ -122,16 +122,17 @@ def test_request_timeout_ends_generation():
     assert not w._pending
 
 
-def test_queued_past_the_deadline_is_a_408():
+def test_queued_past_the_deadline_is_a_408(monkeypatch):
+    from rankserve.workers import engine as engine_mod
+
     w = make_worker(max_batch_size=1, request_timeout_s=0.3)
-    decode = w.engine._decode
+    step = engine_mod._Batch.step
 
-    def slow(*a, **k):  # 0.2 s a step: the first request (ended between steps, at 0.4 s) holds the replica past
-        for step in decode(*a, **k):  # the deadline of the second (0.31 s)
-            time.sleep(0.2)
-            yield step
+    def slow(self):  # 0.2 s a step: the first request (ended between steps, at 0.4 s) holds the replica's one row
+        time.sleep(0.2)  # past the deadline of the second (0.31 s)
+        return step(self)
 
-    w.engine._decode = slow
+    monkeypatch.setattr(engine_mod._Batch, "step", slow)
 
     async def go():
         long = asyncio.create_task(w.generate(PROMPT, greedy(256), cached=False, subset=None))
@@ -176,6 +177,34 @@ def test_concurrent_requests_decode_together(engine):
         assert out["text"] == ref.text and out["token_ids"] == ref.token_ids
         assert out["completion_tokens"] == len(ref.token_ids)
     assert last["completion_tokens"] == 200
+
+
+@pytest.mark.parametrize("join", [True, False], ids=["continuous", "static"])
+def test_a_request_joins_the_running_batch(engine, join):
+    """A request that arrives while a batch decodes joins it at the next step and ends long before the batch's
+    long row does (join_running=False: it waits for the batch to end); each text is the one it gets alone."""
+    w = make_worker(max_batch_size=4, join_running=join)
+    refs = [engine.generate(p, SamplingParams(**greedy(n))) for p, n in ((PROMPT, 200), ("The dog", 5))]
+
+    async def go():
+        order = []
+
+        async def one(prompt, n):
+            out = await w.generate(prompt, greedy(n), cached=False, subset=None)
+            order.append(n)
+            return out
+
+        long = asyncio.create_task(one(PROMPT, 200))
+        while not w._running:
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(0.03)  # well into the long row's 200 steps
+        short = await one("The dog", 5)
+        return order, [await long, short]
+
+    order, outs = asyncio.run(go())
+    assert order == ([5, 200] if join else [200, 5])
+    for out, ref in zip(outs, refs):
+        assert out["token_ids"] == ref.token_ids and out["text"] == ref.text
 
 
 def test_fifo_beyond_the_batch_size():
@@ -250,11 +279,18 @@ def test_model_version_is_stable(tmp_path):
     assert make_worker().info()["model_version"] == v
 
 
-def raising_stream(exc: BaseException):
-    """A stand-in for Engine.stream_batch whose first step raises `exc` (on the engine thread, like a real step)."""
-    def stream(prompts, params, subsets=None, checked=False):
-        raise exc
-        yield
+def raising_stream(w, exc: BaseException):
+    """A stand-in for Engine.stream_batch whose steps raise `exc` (on the engine thread, like a real step)."""
+    real = w.engine.stream_batch
+
+    def stream(*args, **kw):
+        s = real(*args, **kw)
+
+        def boom():
+            raise exc
+
+        s._batch.step = boom
+        return s
 
     return stream
 
@@ -263,7 +299,7 @@ def test_a_failing_request_leaves_the_replica_healthy():
     """A non-device error (here torch.multinomial's, for inf/nan probabilities) fails that request only."""
     w = make_worker()
     real = w.engine.stream_batch
-    w.engine.stream_batch = raising_stream(RuntimeError("probability tensor contains either `inf`, `nan` or element < 0"))
+    w.engine.stream_batch = raising_stream(w, RuntimeError("probability tensor contains either `inf`, `nan` or element < 0"))
     with pytest.raises(RuntimeError, match="probability tensor"):
         asyncio.run(w.generate(PROMPT, greedy(4), cached=False, subset=None))
     w.check_health()  # no raise: Serve keeps the replica
@@ -277,7 +313,7 @@ def test_a_failing_request_leaves_the_replica_healthy():
                          ids=["cuda-error", "oom"])
 def test_a_device_failure_fails_health_checks(exc):
     w = make_worker()
-    w.engine.stream_batch = raising_stream(exc)
+    w.engine.stream_batch = raising_stream(w, exc)
     with pytest.raises(type(exc)):
         asyncio.run(w.generate(PROMPT, greedy(4), cached=False, subset=None))
     with pytest.raises(RuntimeError, match="engine failed"):
