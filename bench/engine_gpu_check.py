@@ -1,7 +1,9 @@
 """GPU smoke check of the engine on the small models (the bundled stories260K, the reference model, and svd-llm
 compressions of both): the fast decode path (per-kernel or one-launch) at B = 1 and 3 against the CPU fp32 engine,
 logprobs against a teacher-forced forward, the cost of asking for logprobs, the worker's batches
-(`Engine.stream_batch`: rows against each alone, 8 requests batched against one by one) and echo scoring
+(`Engine.stream_batch`: rows against each alone, 8 requests batched against one by one), continuous batching (rows
+joining a running batch against each alone, PARSE rows too; a queue of mixed lengths, static batches against
+joining) and echo scoring
 (`Engine.prompt_logprobs` against the logprobs generation reported).
 
 CI runs the kernels under TRITON_INTERPRET=1, where tl.dot takes any shape and there is no L2 prefetch: this check
@@ -79,6 +81,7 @@ def check(model_dir: Path, prompts: list[str], n: int = 32) -> dict:
     res["ms_per_token_64_tokens_incl_prefill_median5"] = times
     res["one_launch"] = any(d.step_kernel is not None for d in gpu._decoders.values())
     res["stream_batch"] = check_stream_batch(gpu, prompts)
+    res["continuous"] = check_continuous(gpu, prompts)
     res["prompt_logprobs"] = check_prompt_logprobs(gpu, prompts[0])
     return res
 
@@ -93,9 +96,8 @@ def check_stream_batch(gpu: Engine, prompts: list[str]) -> dict:
     got: list[list[int]] = [[] for _ in prompts]
     batch = gpu.stream_batch(prompts, sps)
     for i, step in enumerate(batch):
-        for row, ev in zip(got, step):
-            if ev is not None:
-                row.append(ev.token_id)
+        for j, ev in step.items():
+            got[j].append(ev.token_id)
         if i == 4 and len(prompts) > 1:
             batch.stop(1, "cancelled")
     batch.close()
@@ -118,6 +120,96 @@ def check_stream_batch(gpu: Engine, prompts: list[str]) -> dict:
     return dict(rows_tokens=[len(g) for g in got], first_mismatch_vs_alone=first,
                 eight_requests_of_64_tokens_s=dict(one_by_one=round(one_by_one, 4), one_batch=round(batched, 4),
                                                    speedup=round(one_by_one / batched, 2)))
+
+
+def check_continuous(gpu: Engine, prompts: list[str], queue: int = 32, longest: int = 128) -> dict:
+    """Continuous batching on the GPU. Rows joining a running batch (at steps 0, 3 and 9; the last one long enough
+    to move the cache to 512 positions) against each prompt alone (greedy, first mismatch: bf16 batches may part
+    at near-ties). Then `queue` requests of mixed lengths (uniform in [longest / 8, longest], seeded) served by
+    up to 8 rows: static batches (8 at a time, each run to its longest row) against rows joining as others free
+    their places; generated tokens / wall time and rows per step of each."""
+    plan = [(prompts[0], 40, 0), (prompts[1 % len(prompts)], 12, 3), (prompts[2 % len(prompts)], 300, 9)]
+    sps = [SamplingParams(max_new_tokens=n, ignore_eos=True) for _, n, _ in plan]
+    alone = [gpu.generate(p, sp).token_ids for (p, _, _), sp in zip(plan, sps)]
+    got: dict[int, list[int]] = {}
+    stream = gpu.stream_batch([plan[0][0]], sps[:1])
+    for step in range(400):
+        for j, (p, _, at) in enumerate(plan):
+            if at == step and j:
+                stream.add(p, sps[j])
+        try:
+            events = next(stream)
+        except StopIteration:
+            break
+        for i, ev in events.items():
+            got.setdefault(i, []).append(ev.token_id)
+    first = [next((i for i, (a, b) in enumerate(zip(got.get(j, []), alone[j])) if a != b), None)
+             for j in range(len(plan))]
+    joins = dict(rows_tokens=[len(got.get(j, [])) for j in range(len(plan))], first_mismatch_vs_alone=first,
+                 moves=stream._batch.moves, cache_len=stream._batch.S)
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(max(1, longest // 8), longest + 1, (queue,), generator=gen).tolist()
+    reqs = [(prompts[i % len(prompts)], SamplingParams(max_new_tokens=n, ignore_eos=True)) for i, n in enumerate(lengths)]
+
+    def static() -> list[int]:
+        rows = []
+        for i in range(0, queue, 8):
+            chunk = reqs[i:i + 8]
+            rows += [len(step) for step in gpu.stream_batch([p for p, _ in chunk], [sp for _, sp in chunk])]
+        return rows
+
+    def continuous() -> list[int]:
+        rows, todo = [], list(reqs)
+        stream = gpu.stream_batch([], [])
+        while True:
+            while todo and stream.room():
+                stream.add(*todo.pop(0))
+            try:
+                rows.append(len(next(stream)))
+            except StopIteration:
+                return rows
+
+    out = {}
+    for name, fn in (("static", static), ("continuous", continuous)):
+        fn()  # warm-up: decoders of every bucket built
+        ts, rows = [], []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            rows = fn()
+            torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        t = statistics.median(ts)
+        out[name] = dict(s=round(t, 4), tokens_per_s=round(sum(lengths) / t, 1), steps=len(rows),
+                         mean_rows_per_step=round(sum(rows) / len(rows), 2))
+    out["speedup"] = round(out["static"]["s"] / out["continuous"]["s"], 2)
+    return dict(joins=joins, mixed_queue=dict(requests=queue, tokens=sum(lengths), **out))
+
+
+def check_parse_joins(model_dir: Path, prompts: list[str]) -> dict:
+    """PARSE rows with their own subsets joining a running batch on the GPU (the rank slots reloaded with each
+    arrangement's union, the batch moved 1 -> 2 -> 4 rows), against each prompt alone with its subset."""
+    gpu = Engine.load(model_dir, device="cuda")
+    sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    subsets = [gpu.rank_subset(p) for p in prompts]
+    alone = [gpu.generate(p, sp, s).token_ids for p, s in zip(prompts, subsets)]
+    stream = gpu.stream_batch(prompts[:1], [sp], subsets[:1])
+    got: dict[int, list[int]] = {}
+    for step in range(100):
+        if step in (2, 5):
+            j = 1 if step == 2 else 2
+            stream.add(prompts[j], sp, subsets[j])
+        try:
+            events = next(stream)
+        except StopIteration:
+            break
+        for i, ev in events.items():
+            got.setdefault(i, []).append(ev.token_id)
+    first = [next((i for i, (a, b) in enumerate(zip(got.get(j, []), alone[j])) if a != b), None)
+             for j in range(len(prompts))]
+    return dict(rows_tokens=[len(got.get(j, [])) for j in range(len(prompts))], first_mismatch_vs_alone=first,
+                moves=stream._batch.moves, one_launch_at_b1=any(s.decoder.step_kernel is not None
+                                                                 for s in gpu._slots.values()))
 
 
 def check_prompt_logprobs(gpu: Engine, prompt: str) -> dict:
@@ -150,6 +242,16 @@ def main(argv: list[str] | None = None) -> int:
         for name, (d, prompts) in models.items():
             out[name] = check(d, prompts)
             print(name, json.dumps(out[name]), flush=True)
+        from rankserve.compress.parse import TrainConfig, build_parse_checkpoint
+
+        calib = ROOT / "tests" / "data" / "tinyshakespeare-head.txt"
+        parse_dir = build_parse_checkpoint(ROOT / "models" / "stories260K", Path(tmp) / "p", keep=0.6,
+                                           calib_text=calib, train_text=calib, steps=2, kd_steps=0,
+                                           train=TrainConfig(windows=48, window=32, prompt_len=16, batch_size=16,
+                                                             collect_batch=16),
+                                           calib_tokens=2048, calib_seq_len=128, progress=False)
+        out["stories260K-parse-joins"] = check_parse_joins(parse_dir, STORY_PROMPTS)
+        print("stories260K-parse-joins", json.dumps(out["stories260K-parse-joins"]), flush=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 

@@ -17,14 +17,20 @@ def test_tiny_run_writes_its_results(tmp_path):
     from rankserve.bench.worker_batching import main
 
     assert main(["--batch-sizes", "1", "2", "--clients", "2", "--requests", "2", "--max-tokens", "5",
-                 "--tag", "t", "--out-dir", str(tmp_path), "--jitter-ms", "1", "--batch-wait-ms", "0", "20"]) == 0
+                 "--tag", "t", "--out-dir", str(tmp_path), "--jitter-ms", "1", "--batch-wait-ms", "0", "20",
+                 "--join", "on", "off"]) == 0
     res = json.loads((tmp_path / "worker-batching-t.json").read_text())
-    one, two, one_w, two_w = res["rows"]
-    assert [r["batch_wait_ms"] for r in res["rows"]] == [0, 0, 20, 20]
+    assert [(r["join"], r["batch_wait_ms"], r["max_batch_size"]) for r in res["rows"]] == \
+        [(j, w, b) for j in (True, False) for w in (0, 20) for b in (1, 2)]
     assert all(r["requests"] == 4 and r["tokens"] == 20 for r in res["rows"])  # ignore_eos: all 5 tokens each
-    assert one["mean_batch_rows"] == one_w["mean_batch_rows"] == 1.0 and 1.0 <= two["mean_batch_rows"] <= 2.0
-    assert two_w["mean_batch_rows"] == 2.0  # a 20 ms wait gathers both clients despite their 1 ms jitter
+    for one, two, one_w, two_w in (res["rows"][:4], res["rows"][4:]):
+        assert one["mean_step_rows"] == one_w["mean_step_rows"] == 1.0 and 1.0 <= two["mean_step_rows"] <= 2.0
+        assert two_w["mean_step_rows"] == 2.0  # a 20 ms wait gathers both clients despite their 1 ms jitter
     md = (tmp_path / "worker-batching-t.md").read_text()
-    assert "| 20 | 2 |" in md and "--tag t" in md
+    assert "| yes | 20 | 2 |" in md and "| no | 20 | 2 |" in md and "--tag t" in md
+    assert main(["--batch-sizes", "1", "2", "--clients", "2", "--requests", "2", "--max-tokens", "16",
+                 "--tag", "m", "--out-dir", str(tmp_path), "--mixed-lengths"]) == 0
+    mixed = json.loads((tmp_path / "worker-batching-m.json").read_text())["rows"]
+    assert mixed[0]["tokens"] == mixed[1]["tokens"] and 2 * 4 <= mixed[0]["tokens"] < 4 * 16  # lengths in [2, 16]
     with pytest.raises(SystemExit):
         main(["--batch-sizes", "2", "--out-dir", str(tmp_path)])  # the baseline (1) must come first
