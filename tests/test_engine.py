@@ -211,13 +211,18 @@ def test_fast_path_gives_the_eager_tokens():
         assert a.token_ids == b.token_ids and a.text == b.text and a.finish_reason == b.finish_reason
     sp = SamplingParams(max_new_tokens=25, temperature=0.9, top_k=20, seed=3)
     assert fast.generate("The cat", sp).token_ids == eager.generate("The cat", sp).token_ids
+    # more rows joining at once than the prefill graphs take (PREFILL_GRAPH_ROWS): one eager forward for them all
+    six = prompts * 2
+    assert [r.token_ids for r in fast.generate_batch(six, params * 2)] == \
+        [r.token_ids for r in eager.generate_batch(six, params * 2)]
     # greedy rows take the argmax the step took on the device, sampled rows sample on the host, in one batch
     mixed = [SamplingParams(max_new_tokens=14), SamplingParams(max_new_tokens=14, temperature=0.8, seed=5)]
     assert [r.token_ids for r in fast.generate_batch(prompts[:2], mixed)] == \
         [r.token_ids for r in eager.generate_batch(prompts[:2], mixed)]
     assert all(d.dcfg.greedy for d in fast._decoders.values())
-    # one decoder per (batch-size bucket, cache bucket): the batch of 3 ran in the bucket of 4, one row idle
-    assert sorted(fast._decoders) == [(1, 256), (2, 256), (4, 256)]
+    # one decoder per (batch-size bucket, cache bucket): the batch of 3 ran in the bucket of 4, one row idle, and
+    # moved to 2 and 1 as its rows ended
+    assert sorted(fast._decoders) == [(1, 256), (2, 256), (4, 256), (8, 256)]
     # packed weights shared per layout (the torch backend has one: no fused norms)
     assert all(d.layers is fast._packed[False] for d in fast._decoders.values())
 

@@ -27,11 +27,16 @@ from rankserve.workers.model import Transformer
 from rankserve.workers.parse import Routers, apply, clear, load_parse, route_scores, select, validate
 from rankserve.workers.parse_batching import component_cost, group_by_overlap, membership, select_together
 from rankserve.workers.parse_decode import ParseSlots
+from rankserve.workers.prefill_graph import PrefillGraphs
 from rankserve.workers.sampler import SamplingParams, sample
 from rankserve.workers.tokenizer import Tokenizer
 
 
 BATCH_BUCKETS = (1, 2, 4, 8)  # the fast path's batch sizes: a batch runs in the next one up, padded with idle rows
+# joining rows prefilled one by one from CUDA graphs (workers/prefill_graph.py) up to this many at once, more in one
+# eager forward: on the H200 at the 7B shape a replay takes 8-9 ms for <= 128 tokens and the eager forward ~40 ms
+# for 1 to 8 rows (host-bound; bench/results/continuous-h200.md)
+PREFILL_GRAPH_ROWS = 4
 PROMPT_CHUNK = 256  # prompt positions per piece of the head when scoring a prompt (prompt_logprobs)
 LOGPROB_FLOOR = -9999.0  # what a -inf (or NaN) log-probability is reported as: JSON has no infinities
 
@@ -214,6 +219,7 @@ class Engine:
         self.decoder_memory_bytes = decoder_memory_bytes
         self._held: OrderedDict[tuple[str, int, int], int] = OrderedDict()  # built decoders' bytes, LRU first
         self._packed: dict[bool, list] = {}  # packed decode weights per fused-norm layout, shared by decoders
+        self._prefills: PrefillGraphs | None = None  # the fast path's one-row prefills (CUDA graphs on the GPU)
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
@@ -389,6 +395,16 @@ class Engine:
             self._held[("dec", B, S)] = _cache_bytes(self._decoders[(B, S)])
         self._held.move_to_end(("dec", B, S))
         return self._decoders[(B, S)]
+
+    def _prefill_graphs(self) -> PrefillGraphs | None:
+        """One-row prefills for the fast path of a static model: CUDA graphs on the GPU (the eager forward's host
+        time, ~30 ms at the 7B shape, otherwise stalls the running rows each time a request joins), the same
+        padded forward run eagerly on the CPU. Built on first use; None for PARSE (masks differ per row)."""
+        if self.routers is not None:
+            return None
+        if self._prefills is None:
+            self._prefills = PrefillGraphs(self.model, self.max_seq_len, graph=self.device.type == "cuda")
+        return self._prefills
 
     def _make_room(self, B: int, S: int, parse: bool) -> None:
         """Drop the least recently used decoders until one more for (B, S) fits in `decoder_memory_bytes`: its KV
@@ -613,6 +629,12 @@ class _Batch:
         e = self.e
         model = self.dec.model if self.dec is not None else e.model
         cache = self.dec.cache if self.dec is not None else self.cache
+        graphs = e._prefill_graphs() if self.dec is not None and len(joining) <= PREFILL_GRAPH_ROWS else None
+        if graphs is not None:  # the fast path: one replayed graph a row
+            for r in joining:
+                r.logits = graphs.prefill(r.prompt_ids, cache, r.slot)
+                self.lens[r.slot] = len(r.prompt_ids)
+            return
         rows = sorted(joining, key=lambda r: r.slot)
         runs = [[rows[0]]]
         for r in rows[1:]:

@@ -250,36 +250,45 @@ class Transformer(nn.Module):
 
     # --- forward ---------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
-                lengths: torch.Tensor | None = None, last_only: bool = False, head: bool = True) -> torch.Tensor:
+                lengths: torch.Tensor | None = None, last_only: bool = False, head: bool = True,
+                fresh: bool = False) -> torch.Tensor:
         """tokens (B, S) -> logits (B, S, V) fp32, or (B, V) at each row's last real token if `last_only`;
         `head=False`: the final normed hidden states instead (B, S, hidden), for callers that apply the head in
         pieces.
 
         Without a cache every row starts at position 0. With a cache, row b's tokens go to positions
         cache.seqlens[b] .. + lengths[b] - 1, and the cache advances by `lengths` (default S).
+        `fresh`: the caller guarantees every row starts at position 0 and fits the cache (a prefill into emptied
+        rows): nothing is read back to the host, so a CUDA graph can capture the call (workers/prefill_graph.py).
+        Right-padded rows then attend causally: a real token's earlier keys are all real.
         """
         B, S = tokens.shape
         dev = tokens.device
         if lengths is None:
             lengths = torch.full((B,), S, dtype=torch.int32, device=dev)
-        start = cache.seqlens.to(torch.int64) if cache is not None else torch.zeros(B, dtype=torch.int64, device=dev)
         t = torch.arange(S, device=dev)
         valid = t[None] < lengths[:, None]  # (B, S) real tokens, the rest is right padding
-        pos = start[:, None] + t[None]  # (B, S) absolute positions
-        end = int((start + lengths).max())  # host sync: the eager path validates, the graph path does not run this
-        limit = min(self.rope_cos.shape[0], cache.max_seq_len if cache is not None else end)
-        if end > limit:
-            raise ValueError(f"sequence of {end} tokens exceeds the context limit of {limit} tokens")
-        pos = pos.clamp(max=self.rope_cos.shape[0] - 1)  # padding past the end reads any valid table row
-        cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (B, S, D)
-        fresh = int(start.max()) == 0  # every row starts at 0: only the new tokens are keys
-        if fresh and int(lengths.min()) == S:
+        if fresh:
+            pos = t[None].expand(B, S)  # (B, S)
+            cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (B, S, D)
             key_mask = CAUSAL
-        elif fresh:
-            key_mask = (t[None, None] <= t[None, :, None]) & valid[:, None, :]  # (B, S, S) causal, no padding keys
         else:
-            kpos = torch.arange(end, device=dev)
-            key_mask = kpos[None, None] <= pos[:, :, None]  # (B, S, end): causal over the cache
+            start = cache.seqlens.to(torch.int64) if cache is not None else torch.zeros(B, dtype=torch.int64,
+                                                                                          device=dev)
+            pos = start[:, None] + t[None]  # (B, S) absolute positions
+            end = int((start + lengths).max())  # host sync: validated here (`fresh` and the decode graphs skip it)
+            limit = min(self.rope_cos.shape[0], cache.max_seq_len if cache is not None else end)
+            if end > limit:
+                raise ValueError(f"sequence of {end} tokens exceeds the context limit of {limit} tokens")
+            pos = pos.clamp(max=self.rope_cos.shape[0] - 1)  # padding past the end reads any valid table row
+            cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (B, S, D)
+            if int(start.max()) == 0 and int(lengths.min()) == S:  # every row starts at 0, no padding
+                key_mask = CAUSAL
+            elif int(start.max()) == 0:  # only the new tokens are keys
+                key_mask = (t[None, None] <= t[None, :, None]) & valid[:, None, :]  # (B, S, S) causal, no padding keys
+            else:
+                kpos = torch.arange(end, device=dev)
+                key_mask = kpos[None, None] <= pos[:, :, None]  # (B, S, end): causal over the cache
         x = self.embed(tokens)
         for i, blk in enumerate(self.layers):
             x = blk(x, cos, sin, i, cache, pos, valid, key_mask)
