@@ -147,6 +147,44 @@ def phases(eng: Engine, queue: list, serve) -> dict[str, float]:
     return {k: round(v, 4) for k, v in spent.items()}
 
 
+def prefill_latency(eng: Engine, lengths: list[int], repeats: int = 5) -> list[dict[str, Any]]:
+    """ms to prefill one row of a prompt of each length into slot 1 of a 2-row cache: the eager forward against
+    the replayed graph (or, on the CPU, the same padded forward run eagerly); median of `repeats`; the last
+    logits' largest difference between the two."""
+    from rankserve.workers.kv_cache import KVCache
+
+    cfg, w = eng.cfg, eng.model.embed.weight
+    graphs = eng._prefill_graphs()
+    out = []
+    for n in lengths:
+        if n >= eng.max_seq_len:
+            continue
+        cache = KVCache(cfg.num_hidden_layers, 2, eng.max_seq_len, cfg.num_key_value_heads, cfg.head_dim,
+                        device=w.device, dtype=w.dtype)
+        ids = torch.randint(3, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+
+        def eager() -> torch.Tensor:
+            view = cache.rows(1, 2)
+            view.seqlens.zero_()
+            return eng.model(torch.tensor([ids], device=w.device), view, last_only=True)[0]
+
+        row: dict[str, Any] = dict(tokens=n)
+        with torch.inference_mode():
+            for name, fn in (("eager_ms", eager), ("graph_ms", lambda: graphs.prefill(ids, cache, 1))):
+                fn()
+                ts = []
+                for _ in range(repeats):
+                    sync()
+                    t0 = time.perf_counter()
+                    fn()
+                    sync()
+                    ts.append((time.perf_counter() - t0) * 1e3)
+                row[name] = round(statistics.median(ts), 3)
+            row["max_abs_logit_diff"] = float((eager() - graphs.prefill(ids, cache, 1)).abs().max())
+        out.append(row)
+    return out
+
+
 def markdown(res: dict[str, Any]) -> str:
     a = res["args"]
     lines = [f"# Continuous batching in the engine: {res['device']}", "",
@@ -165,7 +203,13 @@ def markdown(res: dict[str, Any]) -> str:
                      f"{p['decode_steps_s']} / {p['prefills_s']} / {p['layout_s']} |")
     lines += ["", f"Continuous over static: **{res['speedup']:.2f}x** the tokens/s. Each row's greedy tokens equal "
               f"between the two modes for {res['rows_equal']} of {a['requests']} requests (bf16 on the GPU: a row "
-              f"decoded in another batch size may part at a near-tie)."]
+              f"decoded in another batch size may part at a near-tie).", "",
+              "One row's prefill (what a joining request costs the running rows), ms, median of 5: the eager "
+              "forward against the engine's replayed graph (workers/prefill_graph.py; on the CPU the same padded "
+              "forward, eager):", "",
+              "| prompt tokens | eager ms | graph ms | max abs logit difference |", "| --- | --- | --- | --- |"]
+    lines += [f"| {r['tokens']} | {r['eager_ms']} | {r['graph_ms']} | {r['max_abs_logit_diff']:.3g} |"
+              for r in res["prefill"]]
     return "\n".join(lines) + "\n"
 
 
@@ -178,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--longest", type=int, default=256, help="longest generation; lengths from longest / 8")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prefill-lengths", type=int, nargs="*", default=[16, 128, 512, 2000],
+                   help="one-row prefill timings, eager against the replayed graph (lengths under the context)")
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     if a.model_dir is None and not cuda:
@@ -199,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         print(mode, json.dumps(res[mode]), flush=True)
     res["speedup"] = res["static"]["wall_s"] / res["continuous"]["wall_s"]
     res["rows_equal"] = sum(x == y for x, y in zip(ids["static"], ids["continuous"]))
+    res["prefill"] = prefill_latency(eng, a.prefill_lengths)
     out = Path(a.out)
     for path, text in ((out, json.dumps(res, indent=1) + "\n"), (out.with_suffix(".md"), markdown(res))):
         tmp = path.with_name(f".{path.name}.tmp")
