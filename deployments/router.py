@@ -92,11 +92,36 @@ def _logprobs(routed: Routed, entries: list[dict]) -> dict | None:
     return chat_logprobs(entries) if routed.chat else completion_logprobs(entries)
 
 
-def _proto_logprobs(entries: list[dict]) -> list[pb.TokenLogprob]:
-    """The worker's logprob entries as `rankserve.TokenLogprob` messages (empty when none were asked for)."""
-    return [pb.TokenLogprob(token=e["token"], logprob=e["logprob"], bytes=bytes(e["bytes"]), text_offset=e["offset"],
+def _proto_logprobs(entries: list[dict], prompt_entries: list[dict] | None = None,
+                    prompt_chars: int = 0) -> list[pb.TokenLogprob]:
+    """The worker's logprob entries as `rankserve.TokenLogprob` messages (empty when none were asked for); with
+    echo the prompt's entries come first and the completion's offsets move past the prompt's `prompt_chars`."""
+    both = [*(prompt_entries or ()), *({**e, "offset": e["offset"] + prompt_chars} for e in entries)]
+    return [pb.TokenLogprob(token=e["token"], bytes=bytes(e["bytes"]), text_offset=e["offset"],
+                            **({} if e["logprob"] is None else {"logprob": e["logprob"]}),
                             top_logprobs=[pb.TopLogprob(token=t, logprob=lp, bytes=bytes(b)) for t, lp, b in e["top"]])
-            for e in entries]
+            for e in both]
+
+
+async def _merge(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tuple[int, dict]]:
+    """(choice, event) from several choices' event streams as they come; closing this stops and closes them all
+    (a client gone, or another choice failed: their workers stop at the next token)."""
+    nexts = {i: asyncio.ensure_future(anext(s)) for i, s in enumerate(streams)}
+    try:
+        while nexts:
+            done, _ = await asyncio.wait(nexts.values(), return_when=asyncio.FIRST_COMPLETED)
+            for i in [i for i, f in nexts.items() if f in done]:
+                try:
+                    ev = nexts.pop(i).result()
+                except StopAsyncIteration:
+                    continue
+                nexts[i] = asyncio.ensure_future(anext(streams[i]))
+                yield i, ev
+    finally:
+        for f in nexts.values():
+            f.cancel()
+        await asyncio.gather(*nexts.values(), return_exceptions=True)
+        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
 
 
 async def _gather_or_cancel(aws: list) -> list:
@@ -242,34 +267,26 @@ class Router:
             return _sse_line(chat_chunk_body(id, family, {"content": text} if text else {}, finish_reason, usage_,
                                              lp, i))
 
-        nexts: dict[int, asyncio.Future] = {}
+        merged = _merge(streams)
         try:
             if chat:
                 for i in range(len(routed)):
                     yield _sse_line(chat_chunk_body(id, family, {"role": "assistant", "content": ""}, index=i))
-            nexts = {i: asyncio.ensure_future(anext(s)) for i, s in enumerate(streams)}
-            while nexts:
-                done, _ = await asyncio.wait(nexts.values(), return_when=asyncio.FIRST_COMPLETED)
-                for i in [i for i, f in nexts.items() if f in done]:
-                    try:
-                        ev = nexts.pop(i).result()
-                    except StopAsyncIteration:
+            async for i, ev in merged:
+                if ev["event"] == "start" and routed[i].write_back:
+                    n_prompt += ev["prompt_tokens"]
+                elif ev["event"] == "token":
+                    pending[i].extend(ev.get("logprobs", ()))
+                    if not ev["text"]:
                         continue
-                    nexts[i] = asyncio.ensure_future(anext(streams[i]))
-                    if ev["event"] == "start" and routed[i].write_back:
-                        n_prompt += ev["prompt_tokens"]
-                    elif ev["event"] == "token":
-                        pending[i].extend(ev.get("logprobs", ()))
-                        if not ev["text"]:
-                            continue
-                        if first_token:
-                            self.m_ttft.observe(time.perf_counter() - t0, tags=tags)
-                            first_token = False
-                        yield chunk(i, ev["text"])
-                    elif ev["event"] == "end":
-                        completion, left = completion + ev["completion_tokens"], left - 1
-                        total = usage(n_prompt, completion) if left == 0 and not req.include_usage else None
-                        yield chunk(i, "", ev["finish_reason"], total)  # the last finish chunk carries the usage
+                    if first_token:
+                        self.m_ttft.observe(time.perf_counter() - t0, tags=tags)
+                        first_token = False
+                    yield chunk(i, ev["text"])
+                elif ev["event"] == "end":
+                    completion, left = completion + ev["completion_tokens"], left - 1
+                    total = usage(n_prompt, completion) if left == 0 and not req.include_usage else None
+                    yield chunk(i, "", ev["finish_reason"], total)  # the last finish chunk carries the usage
             if req.include_usage:  # as OpenAI: one more chunk, no choices, the request's usage
                 obj = "chat.completion.chunk" if chat else "text_completion"
                 yield _sse_line(usage_chunk_body(id, family, obj, usage(n_prompt, completion)))
@@ -281,10 +298,7 @@ class Router:
             status = 499  # client closed the connection; the workers stop at their next token
             raise
         finally:
-            for f in nexts.values():  # a stream still running (client gone, or another choice failed): stop it
-                f.cancel()
-            await asyncio.gather(*nexts.values(), return_exceptions=True)
-            await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+            await merged.aclose()  # a stream still running (client gone, or another choice failed): stop it
             self._count(family, "http", status, t0)
 
     @api.get("/v1/models")
@@ -336,49 +350,65 @@ class Router:
         family = "-"
         try:
             self._authorize(grpc_context.invocation_metadata())
-            (routed,) = await self._route(from_proto(request), chat)  # gRPC: one prompt, one choice
-            family = routed.req.model
-            out = await self._generate(routed)
+            routed = await self._route(from_proto(request), chat)  # one Routed per choice
+            family = routed[0].req.model
+            outs = await _gather_or_cancel([self._generate(r) for r in routed])
         except Failure as f:
             self._count(family, "grpc", f.status, t0)
             grpc_context.set_code(GRPC_CODE[f.status])
             grpc_context.set_details(f.message)
             return pb.GenerateReply()
         self._count(family, "grpc", 200, t0)
+        choices = []
+        for i, (r, out) in enumerate(zip(routed, outs)):
+            echo = r.req.echo  # completions only: the prompt first, in the text and the logprobs
+            choices.append(pb.Choice(
+                index=i, text=r.req.prompt + out["text"] if echo else out["text"], token_ids=out["token_ids"],
+                finish_reason=out["finish_reason"],
+                logprobs=_proto_logprobs(out["logprobs"], out["prompt_logprobs"], len(r.req.prompt)) if echo else
+                _proto_logprobs(out["logprobs"])))
+        n_prompt = sum(out["prompt_tokens"] for r, out in zip(routed, outs) if r.write_back)  # once per prompt
+        first = choices[0]
         return pb.GenerateReply(
-            id=new_id("chatcmpl" if chat else "cmpl"), model=family, text=out["text"], token_ids=out["token_ids"],
-            finish_reason=out["finish_reason"], usage=pb.Usage(**usage(out["prompt_tokens"], out["completion_tokens"])),
-            rank_cache_hit=routed.hit is not None, logprobs=_proto_logprobs(out["logprobs"]))
+            id=new_id("chatcmpl" if chat else "cmpl"), model=family, text=first.text, token_ids=first.token_ids,
+            finish_reason=first.finish_reason, logprobs=first.logprobs, choices=choices,
+            usage=pb.Usage(**usage(n_prompt, sum(out["completion_tokens"] for out in outs))),
+            rank_cache_hit=routed[0].hit is not None)
 
     async def _grpc_stream(self, request, grpc_context, chat: bool) -> AsyncIterator[pb.GenerateChunk]:
-        """One chunk per released piece of text, with the logprob entries of the tokens it releases, then the
-        finish chunk with the usage."""
+        """One chunk per released piece of text, with the logprob entries of the tokens it releases, then each
+        choice's finish chunk; several choices (n) interleave, each chunk naming its `index`, and the usage rides
+        on the last finish chunk."""
         t0 = time.perf_counter()
-        family, status, id, events = "-", 200, new_id("chatcmpl" if chat else "cmpl"), None
+        family, status, id, merged = "-", 200, new_id("chatcmpl" if chat else "cmpl"), None
         try:
             self._authorize(grpc_context.invocation_metadata())
-            (routed,) = await self._route(from_proto(request), chat)  # gRPC: one prompt, one choice
-            family = routed.req.model
+            routed = await self._route(from_proto(request, stream=True), chat)
+            family = routed[0].req.model
             tags = {"family": family, "protocol": "grpc"}
-            events = self._events(routed)
-            n_prompt = (await anext(events))["prompt_tokens"]
+            merged = _merge([self._events(r) for r in routed])
             first_token = True
-            pending: list[dict] = []  # logprob entries of tokens held back (their text not released yet)
-            async for ev in events:
-                if ev["event"] == "token":
-                    pending.extend(ev.get("logprobs", ()))
+            n_prompt, completion, left = 0, 0, len(routed)
+            pending: list[list[dict]] = [[] for _ in routed]  # per choice: entries of tokens held back
+            async for i, ev in merged:
+                if ev["event"] == "start" and routed[i].write_back:
+                    n_prompt += ev["prompt_tokens"]
+                elif ev["event"] == "token":
+                    pending[i].extend(ev.get("logprobs", ()))
                     if not ev["text"]:
                         continue
                     if first_token:
                         self.m_ttft.observe(time.perf_counter() - t0, tags=tags)
                         first_token = False
-                    yield pb.GenerateChunk(id=id, text=ev["text"], token_id=ev["token_id"],
-                                           logprobs=_proto_logprobs(pending))
-                    pending.clear()
+                    yield pb.GenerateChunk(id=id, index=i, text=ev["text"], token_id=ev["token_id"],
+                                           logprobs=_proto_logprobs(pending[i]))
+                    pending[i].clear()
                 elif ev["event"] == "end":
-                    yield pb.GenerateChunk(id=id, finish_reason=ev["finish_reason"],
-                                           usage=pb.Usage(**usage(n_prompt, ev["completion_tokens"])),
-                                           logprobs=_proto_logprobs(pending))
+                    completion, left = completion + ev["completion_tokens"], left - 1
+                    yield pb.GenerateChunk(id=id, index=i, finish_reason=ev["finish_reason"],
+                                           usage=pb.Usage(**usage(n_prompt, completion)) if left == 0 else None,
+                                           logprobs=_proto_logprobs(pending[i]))
+                    pending[i].clear()
         except Failure as f:
             status = f.status
             grpc_context.set_code(GRPC_CODE[f.status])
@@ -388,8 +418,8 @@ class Router:
             status = 499
             raise
         finally:
-            if events is not None:
-                await events.aclose()
+            if merged is not None:
+                await merged.aclose()
             self._count(family, "grpc", status, t0)
 
     # ---- shared path -----------------------------------------------------------------------------------------

@@ -310,16 +310,19 @@ def check_request(req: _Request, families: dict[str, FamilyLimits]) -> FamilyLim
     return limits
 
 
-def from_proto(msg) -> dict[str, Any]:
+def from_proto(msg, stream: bool = False) -> dict[str, Any]:
     """A `rankserve.GenerateRequest` or `ChatRequest` -> the same dict an HTTP body would be (unset optional fields
-    left out): a chat's `logprobs: N` is HTTP's `"logprobs": true, "top_logprobs": N`."""
+    left out): a chat's `logprobs: N` is HTTP's `"logprobs": true, "top_logprobs": N`; `stream`: it came through a
+    streaming RPC (what HTTP's `stream: true` says, and what echo refuses)."""
     chat = msg.DESCRIPTOR.name == "ChatRequest"
     d: dict[str, Any] = {"model": msg.model}
+    if stream:
+        d["stream"] = True
     if chat:
         d["messages"] = [{"role": m.role, "content": m.content} for m in msg.messages]
     else:
         d["prompt"] = msg.prompt
-    for f in ("max_tokens", "temperature", "top_p", "seed", "top_k", "ignore_eos"):
+    for f in ("max_tokens", "temperature", "top_p", "seed", "top_k", "ignore_eos", "n") + (() if chat else ("echo",)):
         if msg.HasField(f):
             d[f] = getattr(msg, f)
     # float32 on the wire: take the decimal the client wrote (1e-05, not 9.99999975e-06), as HTTP would

@@ -99,6 +99,12 @@ def test_proto_goes_through_the_same_validation():
     assert parse_request(from_proto(pb.GenerateRequest(model="svd-llm", prompt="hi", logprobs=0))).logprobs == 0
     with pytest.raises(RequestError, match="logprobs"):
         parse_request(from_proto(pb.GenerateRequest(model="svd-llm", prompt="hi", logprobs=21)))
+    req = parse_request(from_proto(pb.GenerateRequest(model="svd-llm", prompt="hi", n=3, echo=True, max_tokens=0)))
+    assert req.n == 3 and req.echo and req.max_tokens == 0 and len(req.choices()) == 3
+    with pytest.raises(RequestError, match="echo"):  # the streaming RPC is HTTP's stream: true
+        parse_request(from_proto(pb.GenerateRequest(model="svd-llm", prompt="hi", echo=True), stream=True))
+    with pytest.raises(RequestError, match="^n: "):
+        parse_request(from_proto(pb.GenerateRequest(model="svd-llm", prompt="hi", n=0)))
 
 
 def test_proto_chat_is_the_http_chat_body():

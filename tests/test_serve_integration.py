@@ -282,8 +282,24 @@ def test_logprobs_are_the_clis(service, stub):
     assert [(e.token, list(e.bytes)) for e in chat.logprobs] == [(e["token"], e["bytes"]) for e in content]
     assert [e.logprob for e in chat.logprobs] == pytest.approx([e["logprob"] for e in content], abs=1e-6)
 
+    # gRPC echo: the same scoring and echoed generation as HTTP's; refused on the streaming RPC
+    rep = stub.Generate(pb.GenerateRequest(model="svd-llm", prompt=PROMPT + text, max_tokens=0, echo=True,
+                                           logprobs=2), metadata=GRPC_AUTH, timeout=60)
+    assert rep.text == PROMPT + text and rep.usage.completion_tokens == 0 and not rep.token_ids
+    assert [e.token for e in rep.logprobs] == slp["tokens"] and [e.text_offset for e in rep.logprobs] == \
+        slp["text_offset"]
+    assert [e.logprob if e.HasField("logprob") else None for e in rep.logprobs] == \
+        pytest.approx(slp["token_logprobs"], abs=1e-5)
+    rep = stub.Generate(pb.GenerateRequest(model="svd-llm", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2,
+                                           echo=True), metadata=GRPC_AUTH, timeout=60)
+    assert rep.text == echoed["text"] and [e.token for e in rep.logprobs] == echoed["logprobs"]["tokens"]
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.GenerateStream(pb.GenerateRequest(model="svd-llm", prompt=PROMPT, echo=True, logprobs=1),
+                                 metadata=GRPC_AUTH, timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "echo" in e.value.details()
 
-def test_several_prompts_and_n_choices(service):
+
+def test_several_prompts_and_n_choices(service, stub):
     """A list of prompts and n > 1: one choice per prompt and sample (prompt-major), each the text its own request
     gets (greedy: every sample alike; seeded: sample j is seed + j's), usage counting each prompt once; streamed,
     chunks name their choice's index and together give the same texts."""
@@ -319,6 +335,27 @@ def test_several_prompts_and_n_choices(service):
     assert [c["index"] for c in chat["choices"]] == [0, 1]
     assert chat["choices"][0]["message"] == chat["choices"][1]["message"]
     assert post(service, {**body, "n": 5}).status_code == 400  # 2 prompts x 5 > 8 choices
+
+    # gRPC: n choices in `choices` (the top-level fields are the first's), streamed chunks naming their index
+    from rankserve.proto import rankserve_pb2 as pb
+
+    req = pb.GenerateRequest(model=family, prompt=PROMPT, n=2, max_tokens=8, temperature=1.0, seed=11)
+    rep = stub.Generate(req, metadata=GRPC_AUTH, timeout=60)
+    assert [c.index for c in rep.choices] == [0, 1] and [c.text for c in rep.choices] == got[:2]
+    assert rep.text == got[0] and rep.usage.completion_tokens == sum(len(c.token_ids) for c in rep.choices)
+    texts, finished, usages = ["", ""], [], []
+    for c in stub.GenerateStream(req, metadata=GRPC_AUTH, timeout=60):
+        texts[c.index] += c.text
+        if c.finish_reason:
+            finished.append(c.index)
+            usages.append(c.usage.total_tokens if c.HasField("usage") else None)
+    assert texts == got[:2] and sorted(finished) == [0, 1] and usages[0] is None and usages[1] == rep.usage.total_tokens
+    chat2 = stub.Chat(pb.ChatRequest(model=family, messages=[pb.ChatMessage(role="user", content=PROMPT)], n=2,
+                                     max_tokens=6, temperature=0), metadata=GRPC_AUTH, timeout=60)
+    assert [c.text for c in chat2.choices] == [chat["choices"][0]["message"]["content"]] * 2
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(pb.GenerateRequest(model=family, prompt=PROMPT, n=9), metadata=GRPC_AUTH, timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_models_and_health(service):
