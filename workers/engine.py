@@ -34,8 +34,8 @@ from rankserve.workers.tokenizer import Tokenizer
 
 BATCH_BUCKETS = (1, 2, 4, 8)  # the fast path's batch sizes: a batch runs in the next one up, padded with idle rows
 # joining rows prefilled one by one from CUDA graphs (workers/prefill_graph.py) up to this many at once, more in one
-# eager forward: on the H200 at the 7B shape a replay takes 8-9 ms for <= 128 tokens and the eager forward ~40 ms
-# for 1 to 8 rows (host-bound; bench/results/continuous-h200.md)
+# eager forward: on the H200 at the 7B shape a replay takes 8-9 ms for <= 128 tokens and the eager forward 26-43 ms
+# for one row, ~45 ms for 8 (host-bound; bench/results/continuous-h200.md)
 PREFILL_GRAPH_ROWS = 4
 PROMPT_CHUNK = 256  # prompt positions per piece of the head when scoring a prompt (prompt_logprobs)
 LOGPROB_FLOOR = -9999.0  # what a -inf (or NaN) log-probability is reported as: JSON has no infinities
@@ -398,7 +398,7 @@ class Engine:
 
     def _prefill_graphs(self) -> PrefillGraphs | None:
         """One-row prefills for the fast path of a static model: CUDA graphs on the GPU (the eager forward's host
-        time, ~30 ms at the 7B shape, otherwise stalls the running rows each time a request joins), the same
+        time, 26-43 ms at the 7B shape, otherwise stalls the running rows each time a request joins), the same
         padded forward run eagerly on the CPU. Built on first use; None for PARSE (masks differ per row)."""
         if self.routers is not None:
             return None

@@ -1,8 +1,8 @@
 """One prompt's prefill replayed from a CUDA graph: a request joins a running batch without the eager forward's
 host cost.
 
-The eager forward launches ~50 kernels a layer from Python; at the LLaMA-7B shape that is ~30 ms of host time
-whatever the prompt's length, and every running row waits for it while a request joins (bench/results/
+The eager forward launches ~50 kernels a layer from Python; at the LLaMA-7B shape that is 26-43 ms of host time
+for short prompts, and every running row waits for it while a request joins (bench/results/
 continuous-h200.md: 24 one-row prefills of ~176 tokens took 0.85 s). Here one graph per prompt-length bucket
 (powers of two from 16 up to the context) runs `Transformer.forward(fresh=True)` on the right-padded prompt into a
 one-row staging cache; the row's K/V are then copied into its slot of the batch's cache. The padding is causal-safe
