@@ -356,3 +356,22 @@ def test_a_full_batch_refuses_another_row(engine):
     with pytest.raises(ValueError, match="full"):
         stream.add("The cat", sp)
     assert sum(len(e) for e in stream) == 4 * engine.max_batch_size
+
+
+def test_more_prompts_than_a_batch_join_as_rows_end(engine):
+    """generate_batch past max_batch_size: later prompts take the places of rows that ended (one running batch),
+    and each result is the prompt's own."""
+    small = Engine.load(BUNDLED, max_batch_size=2)
+    prompts = ["Once upon a time", "The dog", "Lily and Ben went to the park", "One day", "Tom had a ball"]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (14, 3, 9, 5, 7)]
+    steps = []
+    real = small._run_rows
+
+    def spy(rows, subsets):
+        steps.append(len(rows))
+        return real(rows, subsets)
+
+    small._run_rows = spy
+    got = small.generate_batch(prompts, params)
+    assert steps == [5]  # one running batch for all five
+    assert [g.token_ids for g in got] == [engine.generate(p, sp).token_ids for p, sp in zip(prompts, params)]

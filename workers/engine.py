@@ -251,9 +251,9 @@ class Engine:
 
     def generate_batch(self, prompts: list[str], params: list[SamplingParams],
                        subset: dict | None = None) -> list[GenerationResult]:
-        """Results in the prompts' order. More prompts than max_batch_size run as several batches; with PARSE
-        routers (and no common `subset`) the batches are formed by subset overlap (workers/parse_batching.py),
-        otherwise in order."""
+        """Results in the prompts' order. More prompts than max_batch_size join the running batch in order as
+        rows end; with PARSE routers (and no common `subset`) batches are instead formed by subset overlap
+        (workers/parse_batching.py) and run one after another."""
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         rows = [_Row(self.encode_prompt(p, sp), sp, self.eos) for p, sp in zip(prompts, params)]
@@ -274,9 +274,11 @@ class Engine:
                 for i, sub in zip(g, together):
                     routed[i] = sub
         common = self._row_subset(subset, False) if subset is not None else None  # refused on a static model
-        for g in groups:
-            self._run_rows([rows[i] for i in g], None if self.routers is None else
-                           [common] * len(g) if common is not None else [routed[i] for i in g])
+        if routed is None:  # one running batch: rows join as others end (continuous batching)
+            self._run_rows(rows, None if common is None else [common] * len(rows))
+        else:  # PARSE batches by overlap, each routed together: one after another
+            for g in groups:
+                self._run_rows([rows[i] for i in g], [routed[i] for i in g])
         return [GenerationResult(r.released, r.ids, len(r.prompt_ids), r.finish or "length",
                                  r.released_logprobs() if r.params.logprobs is not None else None) for r in rows]
 
@@ -442,15 +444,18 @@ class Engine:
         return min(max(256, 1 << (need - 1).bit_length()), self.max_seq_len)
 
     def _run_rows(self, rows: list[_Row], subsets: list[dict] | None) -> None:
-        """Decode `rows` together to their ends (PARSE: `subsets`, one per row, validated)."""
+        """Decode `rows` to their ends in one batch, in order: up to max_batch_size at a time, the next joining as
+        one ends (PARSE: `subsets`, one per row, validated)."""
         if self.routers is not None and subsets is None:
             raise ValueError("a PARSE model's rows each need a rank subset")
-        batch = _Batch(self)
-        for i, r in enumerate(rows):
-            batch.add(r, None if subsets is None else subsets[i])
+        batch, todo = _Batch(self), list(range(len(rows)))
         try:
-            while batch.step():
-                pass
+            while True:
+                while todo and len(batch.running()) + len(batch.joining) < self.max_batch_size:
+                    i = todo.pop(0)
+                    batch.add(rows[i], None if subsets is None else subsets[i])
+                if not batch.step() and not todo:
+                    return
         finally:
             batch.close()
 
