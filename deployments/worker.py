@@ -4,10 +4,9 @@ Requests decode in batches: a replica's batch loop takes up to `max_batch_size` 
 decodes them together (`Engine.stream_batch`), one step for every row at a time. Requests that arrive meanwhile
 join the running batch between steps while it has room (continuous batching; `join_running=False`: they wait for
 the next batch), and a row that finishes frees its place at once. Waiting and running requests are what Serve's
-autoscaler sees as ongoing requests. Every engine call runs on one
-dedicated thread, one decode step per hop, so the event loop stays free between tokens: a cancelled request
-(client gone) leaves its batch at the next step, and a request past its deadline ends there too; the other rows
-go on.
+autoscaler sees as ongoing requests. Every engine call runs on one dedicated thread, one decode step per hop, so
+the event loop stays free between tokens: a cancelled request (client gone) leaves its batch at the next step,
+and a request past its deadline ends there too; the other rows go on.
 
 Both calls produce the same events (plain dicts, they cross process boundaries):
     {"event": "start", "prompt_tokens", "subset", "cached"[, "prompt_logprobs"]}
