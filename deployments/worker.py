@@ -59,7 +59,8 @@ class FamilySpec:
     join_running: bool = True  # requests join a running batch between steps (continuous batching); False: static
     # batches, each decoded to its end while new requests wait (measured against: worker-batching-cpu-continuous.md)
     decoder_memory_gb: float | None = None  # what the GPU fast path's decoders may hold (KV caches of each batch-size
-    # and context bucket, PARSE slot weights); least recently used dropped first. None: 40 % of the GPU's memory
+    # and context bucket, PARSE slot weights); least recently used dropped first. None: 40 % of the GPU's memory.
+    # Not counted: the graphed prefills' one-row staging cache and activation pools (workers/prefill_graph.py)
     model_version: str | None = None  # rank-cache namespace; None = derived from the checkpoint's files
 
     def __post_init__(self) -> None:
