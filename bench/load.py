@@ -221,15 +221,22 @@ def run_load(
     tag: str = "local-cpu",
     seed: int = 0,
     plot: bool = True,
+    family_options: dict[str, Any] | None = None,  # set on every family of `config` (e.g. join_running: False)
 ) -> dict[str, Any]:
     """Run the staged load, wait for the scale-down, write JSON (+ PNG); returns the results dict."""
+    import yaml
+
     from rankserve.deployments.local import LocalService, ensure_models
 
     load_before = round(os.getloadavg()[0], 2)  # other work on the machine shows up in every figure below
     own = service is None
     if own:
         ensure_models()
-        service = LocalService(config).start()
+        cfg_dict = yaml.safe_load(Path(config).read_text())
+        for app in cfg_dict["applications"]:
+            for fam in app["args"]["families"].values():
+                fam.update(family_options or {})
+        service = LocalService(cfg_dict).start()
     try:
         app = service.app
         key_env = app["args"].get("api_key_env")
@@ -269,7 +276,8 @@ def run_load(
                   None)  # the first sample back at the floor after the peak
     results = {
         "what": "staged closed-loop load over HTTP SSE against the local Ray Serve service",
-        "config": {**asdict(cfg), "api_key": bool(cfg.api_key), "config_file": _rel(config) if own else "(given)"},
+        "config": {**asdict(cfg), "api_key": bool(cfg.api_key), "config_file": _rel(config) if own else "(given)",
+                   "family_options": family_options or {}},
         "machine": {"cpus": os.cpu_count(), "platform": sys.platform, "loadavg_1m_before": load_before,
                     "loadavg_1m_after": round(os.getloadavg()[0], 2)},
         "overall": summarize(records, t_load_end),
@@ -345,6 +353,8 @@ def parse_stages(text: str) -> list[Stage]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import yaml
+
     p = argparse.ArgumentParser(prog="rankserve bench load", description=__doc__.split("\n\n")[0])
     p.add_argument("--stages", type=parse_stages, default=parse_stages("20:1,60:8,30:2"), help="seconds:users,...")
     p.add_argument("--config", default=str(ROOT / "configs" / "serve.local.yaml"))
@@ -356,9 +366,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tag", default="local-cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--family-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="set on every family of the config, VALUE read as YAML (e.g. join_running=false); repeatable")
     a = p.parse_args(argv)
+    options = {}
+    for kv in a.family_option:
+        key, eq, value = kv.partition("=")
+        if not eq or not key:
+            p.error(f"--family-option takes KEY=VALUE, got {kv!r}")
+        options[key] = yaml.safe_load(value)
     res = run_load(a.stages, config=a.config, family=a.family, other_share=a.other_share, max_tokens=a.max_tokens,
-                   cooldown_max_s=a.cooldown, out_dir=a.out, tag=a.tag, seed=a.seed)
+                   cooldown_max_s=a.cooldown, out_dir=a.out, tag=a.tag, seed=a.seed, family_options=options)
     summary = {k: res[k] for k in ("overall", "autoscaling", "json_path", "png_path")}
     print(json.dumps(summary, indent=1) if a.json else _human(res))
     return 0 if res["overall"]["outcomes"]["lost"] == 0 else 1

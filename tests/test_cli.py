@@ -375,3 +375,11 @@ def test_sigterm_during_a_save_leaves_no_temp_dir(tmp_path):
     assert p.returncode == 2 and err.strip().splitlines()[-1] == "error: interrupted", (p.returncode, err)
     assert not any(".tmp-" in f.name for f in tmp_path.iterdir())
     assert not out.exists() or (out / "model.safetensors").is_file()  # the signal may land just after the rename
+
+
+def test_bench_load_family_option_needs_key_and_value():
+    from rankserve.bench.load import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--family-option", "join_running"])  # refused before any service starts
+    assert e.value.code == 2
