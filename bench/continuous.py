@@ -20,6 +20,7 @@ embedding and head instead of 32,000), so a token id always decodes. `--model-di
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -43,21 +44,36 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def random_7b(keep: float = 0.6) -> Engine:
-    """Random svd-llm-shaped factors at the LLaMA-7B shape on the GPU, with the reference model's tokenizer."""
+def random_7b(keep: float = 0.6, parse: bool = False) -> Engine:
+    """Random svd-llm-shaped factors at the LLaMA-7B shape on the GPU, with the reference model's tokenizer.
+    `parse`: a PARSE pool of 2 K components a matrix with random routers instead (K: the static rank at `keep`),
+    its decoders allowed 100 GB (a slots set of the pool is ~16 GB; the default 40 % of the GPU holds three)."""
     from rankserve.bench.decode import build_model, plan_ranks
     from rankserve.workers.align import GPU_ALIGN
     from rankserve.workers.config import preset
+    from rankserve.workers.parse import Routers
 
     tok = Tokenizer.load(ROOT / "models" / "reference")
     cfg = preset("llama-7b", vocab_size=tok.vocab_size, max_position_embeddings=2048)
     ranks, groups = plan_ranks(cfg, "svd-llm", keep)
-    model = build_model(cfg, ranks, groups, "cuda", torch.bfloat16, align=GPU_ALIGN)
-    return Engine(model, tok, max_batch_size=8)
+    if not parse:
+        return Engine(build_model(cfg, ranks, groups, "cuda", torch.bfloat16, align=GPU_ALIGN), tok, max_batch_size=8)
+    shapes = cfg.linear_shapes()
+    r_max = {n: min(2 * k, min(shapes[n.rsplit(".", 1)[1]])) for n, k in ranks.items()}
+    pool = build_model(cfg, r_max, {}, "cuda", torch.bfloat16, seed=1, align=GPU_ALIGN)
+    lins = pool.projections()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    routers = Routers(R={n: torch.randn(r, lins[n].in_features, device="cuda", generator=g) for n, r in r_max.items()},
+                      b={n: torch.zeros(r, device="cuda") for n, r in r_max.items()}, k=dict(ranks), r_max=r_max,
+                      head={}, perm={})
+    return Engine(pool, tok, max_batch_size=8, routers=routers, decoder_memory_bytes=100 * 2**30)
 
 
-def make_queue(eng: Engine, n: int, longest: int, prompt_tokens: int, seed: int = 0) -> list[tuple[str, SamplingParams]]:
-    """n (prompt, params): prompts cut from the text at seeded offsets, lengths uniform in [longest / 8, longest]."""
+def make_queue(eng: Engine, n: int, longest: int, prompt_tokens: int, seed: int = 0,
+               union: float = 1.05) -> list[tuple[str, SamplingParams, dict | None]]:
+    """n (prompt, params, PARSE subset or None): prompts cut from the text at seeded offsets, lengths uniform in
+    [longest / 8, longest]; on a PARSE engine, subsets sharing all but a few components, so that any 8 of them
+    have a union of about `union` K (routed subsets of 8 prompts: 1.04-1.20 K, bench/results/parse.md)."""
     text = TEXT.read_text(encoding="utf-8")
     g = torch.Generator().manual_seed(seed)
     chars = 4 * prompt_tokens  # ~4 characters a token; the prompts' real lengths are reported
@@ -66,7 +82,12 @@ def make_queue(eng: Engine, n: int, longest: int, prompt_tokens: int, seed: int 
         at = int(torch.randint(0, max(1, len(text) - chars), (1,), generator=g))
         m = int(torch.randint(max(1, longest // 8), longest + 1, (1,), generator=g))
         out.append((text[at:at + chars], SamplingParams(max_new_tokens=m, ignore_eos=True)))
-    return out
+    if eng.routers is None:
+        return [(p, sp, None) for p, sp in out]
+    from rankserve.bench.parse_speed import overlapping_subsets
+
+    subs = overlapping_subsets(eng.routers, n, 1 + (union - 1) * (n - 1) / 7, seed)  # 8 rows: `union` K
+    return [(p, sp, sub) for (p, sp), sub in zip(out, subs)]
 
 
 OnEvent = Callable[[int, StreamEvent], None]  # (request number, its event)
@@ -77,7 +98,9 @@ def serve_static(eng: Engine, queue: list, on_event: OnEvent) -> list[int]:
     rows: list[int] = []
     B = eng.max_batch_size
     for i in range(0, len(queue), B):
-        stream = eng.stream_batch([p for p, _ in queue[i:i + B]], [sp for _, sp in queue[i:i + B]])
+        chunk = queue[i:i + B]
+        stream = eng.stream_batch([p for p, _, _ in chunk], [sp for _, sp, _ in chunk],
+                                  None if eng.routers is None else [sub for _, _, sub in chunk], checked=True)
         for step in stream:
             rows.append(len(step))
             for j, ev in step.items():
@@ -85,23 +108,28 @@ def serve_static(eng: Engine, queue: list, on_event: OnEvent) -> list[int]:
     return rows
 
 
-def serve_continuous(eng: Engine, queue: list, on_event: OnEvent) -> list[int]:
-    """Rows join the running batch whenever it has room; -> rows per step."""
+def serve_continuous(eng: Engine, queue: list, on_event: OnEvent, join_min: int = 1) -> list[int]:
+    """Rows join the running batch as `BatchStream.admits` lets them: once it has room for `join_min` of them (or is
+    empty); -> rows per step."""
     rows: list[int] = []
-    stream = eng.stream_batch([], [])
-    which: dict[int, int] = {}
-    todo = list(enumerate(queue))
-    while True:
-        while todo and stream.room():
-            k, (p, sp) = todo.pop(0)
-            which[stream.add(p, sp)] = k
-        try:
-            step = next(stream)
-        except StopIteration:
-            return rows
-        rows.append(len(step))
-        for j, ev in step.items():
-            on_event(which[j], ev)
+    saved, eng.join_min = eng.join_min, join_min
+    try:
+        stream = eng.stream_batch([], [])
+        which: dict[int, int] = {}
+        todo = list(enumerate(queue))
+        while True:
+            for _ in range(stream.admits(len(todo))):
+                k, (p, sp, sub) = todo.pop(0)
+                which[stream.add(p, sp, sub, checked=True)] = k
+            try:
+                step = next(stream)
+            except StopIteration:
+                return rows
+            rows.append(len(step))
+            for j, ev in step.items():
+                on_event(which[j], ev)
+    finally:
+        eng.join_min = saved
 
 
 def timed_pass(eng: Engine, queue: list, serve) -> dict[str, Any]:
@@ -155,6 +183,8 @@ def prefill_latency(eng: Engine, lengths: list[int], repeats: int = 5) -> list[d
 
     cfg, w = eng.cfg, eng.model.embed.weight
     graphs = eng._prefill_graphs()
+    if graphs is None:  # PARSE: joining rows are prefilled eagerly (per-row masks)
+        return []
     out = []
     for n in lengths:
         if n >= eng.max_seq_len:
@@ -195,16 +225,19 @@ def markdown(res: dict[str, Any]) -> str:
              "| mode | wall s (median of %d) | tokens/s | decode steps | rows per step | latency p50 / p90 (s) | "
              "in decode steps / prefills / layout changes (s, one synced pass) |" % a["repeats"],
              "| --- | --- | --- | --- | --- | --- | --- |"]
-    for mode in ("static", "continuous"):
+    for mode in res.get("modes", ["static", "continuous"]):
         r = res[mode]
         p = r["phases"]
         lines.append(f"| {mode} | {r['wall_s']:.3f} | {r['tokens_per_s']:.0f} | {r['steps']} | "
                      f"{r['mean_rows_per_step']:.2f} | {r['latency_p50_s']:.3f} / {r['latency_p90_s']:.3f} | "
                      f"{p['decode_steps_s']} / {p['prefills_s']} / {p['layout_s']} |")
-    lines += ["", f"Continuous over static: **{res['speedup']:.2f}x** the tokens/s. Each row's greedy tokens equal "
-              f"between the two modes for {res['rows_equal']} of {a['requests']} requests (bf16 on the GPU: a row "
-              f"decoded in another batch size may part at a near-tie).", "",
-              "One row's prefill (what a joining request costs the running rows), ms, median of 5: the eager "
+    best = res.get("best", "continuous")
+    lines += ["", f"{best[0].upper() + best[1:]} over static: **{res['speedup']:.2f}x** the tokens/s. Each row's greedy "
+              f"tokens equal between the two for {res['rows_equal']} of {a['requests']} requests (bf16 on the GPU: a "
+              f"row decoded in another batch size may part at a near-tie)."]
+    if not res["prefill"]:
+        return "\n".join(lines) + "\n"
+    lines += ["", "One row's prefill (what a joining request costs the running rows), ms, median of 5: the eager "
               "forward against the engine's replayed graph (workers/prefill_graph.py; on the CPU the same padded "
               "forward, eager):", "",
               "| prompt tokens | eager ms | graph ms | max abs logit difference |", "| --- | --- | --- | --- |"]
@@ -222,29 +255,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--longest", type=int, default=256, help="longest generation; lengths from longest / 8")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--join-min", type=int, nargs="+", default=[1],
+                   help="rows join only when this many places are free (or the batch is empty); several: each")
+    p.add_argument("--parse", action="store_true",
+                   help="GPU: a PARSE pool with random routers; each request its own subset (8 rows' union ~1.05 K)")
     p.add_argument("--prefill-lengths", type=int, nargs="*", default=[16, 128, 512, 2000],
                    help="one-row prefill timings, eager against the replayed graph (lengths under the context)")
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     if a.model_dir is None and not cuda:
         p.error("the 7B shape needs a CUDA GPU; give --model-dir for a CPU run")
-    eng = Engine.load(a.model_dir, device="cuda" if cuda else "cpu") if a.model_dir else random_7b()
-    model = a.model_dir or "random weights, LLaMA-7B shape, svd-llm ranks at keep 0.6, bf16, vocabulary 12,288"
+    eng = Engine.load(a.model_dir, device="cuda" if cuda else "cpu") if a.model_dir else random_7b(parse=a.parse)
+    model = a.model_dir or ("random weights, LLaMA-7B shape, svd-llm ranks at keep 0.6, bf16, vocabulary 12,288" +
+                            ("; a PARSE pool of 2 K components a matrix, random routers, each request its own "
+                             "subset (any 8 share all but ~5 % of K: union ~1.05 K)" if a.parse else ""))
     queue = make_queue(eng, a.requests, a.longest, a.prompt_tokens)
     res: dict[str, Any] = dict(device=torch.cuda.get_device_name() if cuda else "CPU", torch=torch.__version__,
-                               model=model, args=vars(a), tokens=sum(sp.max_new_tokens for _, sp in queue),
-                               prompt_tokens=round(statistics.mean(len(eng.encode_prompt(q)) for q, _ in queue)),
+                               model=model, args=vars(a), tokens=sum(sp.max_new_tokens for _, sp, _ in queue),
+                               prompt_tokens=round(statistics.mean(len(eng.encode_prompt(q)) for q, _, _ in queue)),
                                command=" ".join(["python -m rankserve.bench.continuous", *argv]))
     ids: dict[str, list[list[int]]] = {}
-    for mode, serve in (("static", serve_static), ("continuous", serve_continuous)):
+    modes = [("static", serve_static)] + [("continuous" if j == 1 else f"continuous, joining {j}+ at once",
+                                           functools.partial(serve_continuous, join_min=j)) for j in a.join_min]
+    res["modes"] = [m for m, _ in modes]
+    for mode, serve in modes:
         ids[mode] = [[] for _ in queue]
         serve(eng, queue, lambda k, ev: ids[mode][k].append(ev.token_id))  # warm-up (every bucket's decoder), tokens
         passes = sorted((timed_pass(eng, queue, serve) for _ in range(a.repeats)), key=lambda r: r["wall_s"])
         res[mode] = dict(passes[len(passes) // 2], phases=phases(eng, queue, serve))
         res[mode]["tokens_per_s"] = res["tokens"] / res[mode]["wall_s"]
         print(mode, json.dumps(res[mode]), flush=True)
-    res["speedup"] = res["static"]["wall_s"] / res["continuous"]["wall_s"]
-    res["rows_equal"] = sum(x == y for x, y in zip(ids["static"], ids["continuous"]))
+    best = min(res["modes"][1:], key=lambda m: res[m]["wall_s"])
+    res["speedup"] = res["static"]["wall_s"] / res[best]["wall_s"]
+    res["best"] = best
+    res["rows_equal"] = sum(x == y for x, y in zip(ids["static"], ids[best]))
     res["prefill"] = prefill_latency(eng, a.prefill_lengths)
     out = Path(a.out)
     for path, text in ((out, json.dumps(res, indent=1) + "\n"), (out.with_suffix(".md"), markdown(res))):

@@ -58,6 +58,8 @@ class FamilySpec:
     # (a lone request's first token comes that much later; 0: off). Measured: bench/results/worker-batching-cpu-jitter.md
     join_running: bool = True  # requests join a running batch between steps (continuous batching); False: static
     # batches, each decoded to its end while new requests wait (measured against: worker-batching-cpu-continuous.md)
+    join_min_rows: int | None = None  # free places a running batch needs before waiting requests join; None: the
+    # engine's default (1; a PARSE family on the GPU: max_batch_size // 2, measured in continuous-h200-parse.md)
     decoder_memory_gb: float | None = None  # what the GPU fast path's decoders may hold (KV caches of each batch-size
     # and context bucket, PARSE slot weights); least recently used dropped first. None: 40 % of the GPU's memory.
     # Not counted: the graphed prefills' one-row staging cache and activation pools (workers/prefill_graph.py)
@@ -70,6 +72,8 @@ class FamilySpec:
             raise ValueError(f"max_batch_size and decoder_memory_gb must be positive: {self}")
         if self.batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must be >= 0: {self}")
+        if self.join_min_rows is not None and not 1 <= self.join_min_rows <= self.max_batch_size:
+            raise ValueError(f"join_min_rows must be in 1..max_batch_size: {self}")
 
 
 DEVICE_ERROR_WORDS = ("CUDA", "CUBLAS", "cuDNN")  # in the messages of torch's RuntimeErrors from the device
@@ -123,6 +127,8 @@ class Worker:
         self.engine = Engine.load(self.spec.model_dir, device=self.spec.device, dtype=dtype,
                                   max_batch_size=self.spec.max_batch_size,
                                   decoder_memory_bytes=None if gb is None else int(gb * 2**30))
+        if self.spec.join_min_rows is not None:
+            self.engine.join_min = self.spec.join_min_rows
         self.version = self.spec.model_version or model_version(self.spec.model_dir)
         self.created = int((Path(self.spec.model_dir) / "model.safetensors").stat().st_mtime)  # OpenAI's `created`
         self.stop_ids = set(self.engine.eos)
@@ -341,7 +347,8 @@ class Worker:
                     if live[i].finish is None:
                         self._token(live[i], ev)
                 # continuous batching: waiting requests take the places free for the next step
-                joining = self._take(stream.room()) if self.spec.join_running and self._pending else []
+                joining = (self._take(stream.admits(len(self._pending))) if self.spec.join_running and self._pending
+                           else [])
         except Exception as e:  # a failed step fails the batch's unfinished requests; CancelledError passes
             for req in self._running:
                 if req.finish is None:

@@ -375,3 +375,21 @@ def test_more_prompts_than_a_batch_join_as_rows_end(engine):
     got = small.generate_batch(prompts, params)
     assert steps == [5]  # one running batch for all five
     assert [g.token_ids for g in got] == [engine.generate(p, sp).token_ids for p, sp in zip(prompts, params)]
+
+
+def test_admits_waits_for_join_min_places():
+    """BatchStream.admits: an idle batch takes what it has room for; a running one takes waiting rows only once
+    Engine.join_min places are free (or all that wait fit)."""
+    eng = Engine.load(BUNDLED, max_batch_size=4)
+    assert eng.join_min == 1  # a static model (and PARSE off the GPU)
+    eng.join_min = 2
+    stream = eng.stream_batch([], [])
+    assert stream.admits(6) == 4
+    short, long = SamplingParams(max_new_tokens=2, ignore_eos=True), SamplingParams(max_new_tokens=9, ignore_eos=True)
+    for sp in (short, long, long):
+        stream.add("The dog", sp)
+    next(stream)
+    assert stream.room() == 1 and stream.admits(5) == 0 and stream.admits(1) == 1
+    next(stream)  # the short row ends
+    next(stream)
+    assert stream.room() == 2 and stream.admits(5) == 2

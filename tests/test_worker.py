@@ -318,3 +318,14 @@ def test_a_device_failure_fails_health_checks(exc):
         asyncio.run(w.generate(PROMPT, greedy(4), cached=False, subset=None))
     with pytest.raises(RuntimeError, match="engine failed"):
         w.check_health()  # Serve restarts the replica after a few of these
+
+
+def test_join_min_rows_is_checked_and_reaches_the_engine():
+    from rankserve.deployments.worker import FamilySpec
+
+    with pytest.raises(ValueError, match="join_min_rows"):
+        FamilySpec(model_dir=str(MODEL), join_min_rows=9)  # more than a batch holds
+    with pytest.raises(ValueError, match="batch_wait_ms"):
+        FamilySpec(model_dir=str(MODEL), batch_wait_ms=-1)
+    assert make_worker().engine.join_min == 1  # the engine's default for a static family
+    assert make_worker(join_min_rows=3).engine.join_min == 3

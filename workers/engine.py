@@ -220,6 +220,10 @@ class Engine:
         self._held: OrderedDict[tuple[str, int, int], int] = OrderedDict()  # built decoders' bytes, LRU first
         self._packed: dict[bool, list] = {}  # packed decode weights per fused-norm layout, shared by decoders
         self._prefills: PrefillGraphs | None = None  # the fast path's one-row prefills (CUDA graphs on the GPU)
+        # free places a running batch needs before waiting requests join it (BatchStream.admits): 1, except PARSE on
+        # the GPU, where a join reloads the rank slots and is prefilled eagerly: at the 7B shape joining one at a
+        # time gave 0.67x static batches' tokens/s, four at a time 1.06x (bench/results/continuous-h200-parse.md)
+        self.join_min = max(1, max_batch_size // 2) if routers is not None and self.device.type == "cuda" else 1
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
@@ -687,6 +691,13 @@ class BatchStream:
     def room(self) -> int:
         """How many more rows may join now."""
         return self.e.max_batch_size - len(self._batch.running()) - len(self._batch.joining)
+
+    def admits(self, waiting: int) -> int:
+        """How many of `waiting` requests should join now: as many as there is room for once the room holds
+        `Engine.join_min` of them (or all of them, or no row is running); else 0, and the running rows go on."""
+        room, want = self.room(), min(self.e.join_min, waiting)
+        idle = not self._batch.running() and not self._batch.joining
+        return min(room, waiting) if idle or room >= want else 0
 
     def __iter__(self) -> "BatchStream":
         return self
