@@ -393,3 +393,15 @@ def test_admits_waits_for_join_min_places():
     next(stream)  # the short row ends
     next(stream)
     assert stream.room() == 2 and stream.admits(5) == 2
+
+
+def test_a_row_stopped_before_it_joins_never_runs(engine):
+    sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    stream = engine.stream_batch(["The dog"], [sp])
+    next(stream)
+    late = stream.add("Once upon a time", sp)
+    stream.stop(late, "cancelled")
+    events = [next(stream) for _ in range(3)]
+    assert all(late not in e for e in events) and [sorted(e) for e in events] == [[0]] * 3
+    assert stream._batch.B == 1  # it never took a place
+    assert list(stream) == []
