@@ -405,3 +405,19 @@ def test_a_row_stopped_before_it_joins_never_runs(engine):
     assert all(late not in e for e in events) and [sorted(e) for e in events] == [[0]] * 3
     assert stream._batch.B == 1  # it never took a place
     assert list(stream) == []
+
+
+@pytest.mark.parametrize("fast_path", ["off", "torch"])
+def test_choices_of_one_prompt_share_its_prefill(fast_path):
+    """Rows joining with the same prompt (a request's n choices) run it once and copy its cache; each still samples
+    its own tokens, equal to its own request alone."""
+    eng = Engine.load(BUNDLED, fast_path=fast_path)
+    params = [SamplingParams(max_new_tokens=10, temperature=2.0, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+    alone = [eng.generate("Once upon a time", sp).token_ids for sp in params]
+    stream = eng.stream_batch(["Once upon a time"] * 3 + ["The dog"], params + [params[0]])
+    got: dict[int, list[int]] = {}
+    for step in stream:
+        for i, ev in step.items():
+            got.setdefault(i, []).append(ev.token_id)
+    assert [got[i] for i in range(3)] == alone and len({tuple(a) for a in alone}) == 3
+    assert stream._batch.prefills == 2

@@ -489,6 +489,7 @@ class _Batch:
         self.joining: list[_Row] = []
         self.masks: dict[str, torch.Tensor | None] | None = None  # eager PARSE: the batch's masks, re-installed
         self.moves = 0  # layout changes after the first (tests, benchmarks)
+        self.prefills = 0  # prompts run (a twin's copied cache not counted)
 
     def add(self, row: _Row, subset: dict | None) -> None:
         """Queue `row` (its subset validated) to join at the next step."""
@@ -634,7 +635,30 @@ class _Batch:
             r.pick = picks[r.slot] if picks is not None else None
 
     def _prefill(self, joining: list[_Row]) -> None:
-        """The joining rows' prompts into their slots, one forward per run of neighbouring slots."""
+        """The joining rows' prompts into their slots. A row with the same prompt (and PARSE subset) as one before
+        it, a request's n choices, copies that row's cache instead of running the prompt again."""
+        leaders: list[_Row] = []
+        twins: list[tuple[_Row, _Row]] = []
+        for r in joining:
+            twin = next((l for l in leaders if l.prompt_ids == r.prompt_ids and l.subset == r.subset), None)
+            if twin is None:
+                leaders.append(r)
+            else:
+                twins.append((r, twin))
+        self._prefill_rows(leaders)
+        cache = self.dec.cache if self.dec is not None else self.cache
+        for r, twin in twins:
+            n = len(r.prompt_ids)
+            cache._k[:, r.slot, :n] = cache._k[:, twin.slot, :n]  # (layers, n, H_kv, D)
+            cache._v[:, r.slot, :n] = cache._v[:, twin.slot, :n]
+            cache.seqlens[r.slot] = n
+            self.lens[r.slot] = n
+            r.logits = twin.logits.clone()
+        self.prefills += len(leaders)
+
+    def _prefill_rows(self, joining: list[_Row]) -> None:
+        """Prompts into their rows' slots: replayed graphs one by one, or one forward per run of neighbouring
+        slots."""
         e = self.e
         model = self.dec.model if self.dec is not None else e.model
         cache = self.dec.cache if self.dec is not None else self.cache
