@@ -299,6 +299,8 @@ class Router:
             raise
         finally:
             await merged.aclose()  # a stream still running (client gone, or another choice failed): stop it
+            # and those the merge never started (the client left during the role chunks): choice 0's runs already
+            await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
             self._count(family, "http", status, t0)
 
     @api.get("/v1/models")
@@ -380,13 +382,14 @@ class Router:
         choice's finish chunk; several choices (n) interleave, each chunk naming its `index`, and the usage rides
         on the last finish chunk."""
         t0 = time.perf_counter()
-        family, status, id, merged = "-", 200, new_id("chatcmpl" if chat else "cmpl"), None
+        family, status, id, merged, streams = "-", 200, new_id("chatcmpl" if chat else "cmpl"), None, []
         try:
             self._authorize(grpc_context.invocation_metadata())
             routed = await self._route(from_proto(request, stream=True), chat)
             family = routed[0].req.model
             tags = {"family": family, "protocol": "grpc"}
-            merged = _merge([self._events(r) for r in routed])
+            streams = [self._events(r) for r in routed]
+            merged = _merge(streams)
             first_token = True
             n_prompt, completion, left = 0, 0, len(routed)
             pending: list[list[dict]] = [[] for _ in routed]  # per choice: entries of tokens held back
@@ -420,6 +423,7 @@ class Router:
         finally:
             if merged is not None:
                 await merged.aclose()
+            await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
             self._count(family, "grpc", status, t0)
 
     # ---- shared path -----------------------------------------------------------------------------------------
