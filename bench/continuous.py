@@ -215,6 +215,34 @@ def prefill_latency(eng: Engine, lengths: list[int], repeats: int = 5) -> list[d
     return out
 
 
+def first_step(eng: Engine, n: int = 8, tokens: int = 512, repeats: int = 5) -> dict[str, Any]:
+    """ms of a batch's first step (n prompts prefilled, one token each): n copies of one prompt (a request's n
+    choices: one prefill, the others copy its cache rows) against n different prompts of the same length; median
+    of `repeats` after a warm-up."""
+    text = TEXT.read_text(encoding="utf-8")
+    chars = 4 * tokens
+    while len(eng.tokenizer.encode(text[:chars], bos=True)) >= eng.max_seq_len:  # a small vocabulary: more tokens
+        chars = chars * 3 // 4
+    same = [text[:chars]] * n
+    different = [text[i * chars:(i + 1) * chars] for i in range(n)]
+    sp = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    out: dict[str, Any] = dict(rows=n, prompt_tokens=len(eng.encode_prompt(same[0])))
+    for name, prompts in (("same_prompt_ms", same), ("different_prompts_ms", different)):
+        subs = None if eng.routers is None else [make_queue(eng, 1, 1, 1)[0][2]] * n
+        ts = []
+        for _ in range(repeats + 1):
+            stream = eng.stream_batch(prompts, [sp] * n, subs, checked=True)
+            sync()
+            t0 = time.perf_counter()
+            next(stream)
+            sync()
+            ts.append((time.perf_counter() - t0) * 1e3)
+            stream.close()
+        out[name] = round(statistics.median(ts[1:]), 3)
+        out[name.replace("_ms", "_prefills")] = stream._batch.prefills
+    return out
+
+
 def markdown(res: dict[str, Any]) -> str:
     a = res["args"]
     lines = [f"# Continuous batching in the engine: {res['device']}", "",
@@ -235,6 +263,13 @@ def markdown(res: dict[str, Any]) -> str:
     lines += ["", f"{best[0].upper() + best[1:]} over static: **{res['speedup']:.2f}x** the tokens/s. Each row's greedy "
               f"tokens equal between the two for {res['rows_equal']} of {a['requests']} requests (bf16 on the GPU: a "
               f"row decoded in another batch size may part at a near-tie)."]
+    if res.get("first_step"):
+        f = res["first_step"]
+        lines += ["", f"A batch's first step, {f['rows']} rows of {f['prompt_tokens']}-token prompts (each prefilled, one "
+                  f"token each), median of 5: {f['same_prompt_ms']} ms when they are one prompt's {f['rows']} choices "
+                  f"({f['same_prompt_prefills']} prefill, the others copy its cache rows) against "
+                  f"{f['different_prompts_ms']} ms for {f['rows']} different prompts ({f['different_prompts_prefills']} "
+                  f"prefilled)."]
     if not res["prefill"]:
         return "\n".join(lines) + "\n"
     lines += ["", "One row's prefill (what a joining request costs the running rows), ms, median of 5: the eager "
@@ -257,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--join-min", type=int, nargs="+", default=[1],
                    help="rows join only when this many places are free (or the batch is empty); several: each")
+    p.add_argument("--first-step-tokens", type=int, default=512,
+                   help="prompt length of the first-step timing (8 copies of one prompt vs 8 prompts); 0: skip")
     p.add_argument("--parse", action="store_true",
                    help="GPU: a PARSE pool with random routers; each request its own subset (8 rows' union ~1.05 K)")
     p.add_argument("--prefill-lengths", type=int, nargs="*", default=[16, 128, 512, 2000],
@@ -290,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     res["best"] = best
     res["rows_equal"] = sum(x == y for x, y in zip(ids["static"], ids[best]))
     res["prefill"] = prefill_latency(eng, a.prefill_lengths)
+    res["first_step"] = first_step(eng, tokens=a.first_step_tokens) if a.first_step_tokens else None
     out = Path(a.out)
     for path, text in ((out, json.dumps(res, indent=1) + "\n"), (out.with_suffix(".md"), markdown(res))):
         tmp = path.with_name(f".{path.name}.tmp")

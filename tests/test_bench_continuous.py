@@ -21,5 +21,8 @@ def test_tiny_run_writes_its_results(tmp_path):
     static, cont = res["static"], res["continuous"]
     assert cont["steps"] <= static["steps"] and cont["mean_rows_per_step"] >= static["mean_rows_per_step"]
     assert res["prefill"][0]["tokens"] == 16 and res["prefill"][0]["max_abs_logit_diff"] < 1e-4
+    first = res["first_step"]  # one prompt's 8 choices prefill once, 8 different prompts 8 times
+    assert first["same_prompt_prefills"] == 1 and first["different_prompts_prefills"] == 8
+    assert first["prompt_tokens"] < 512
     md = out.with_suffix(".md").read_text()
     assert "| continuous |" in md and "| 16 |" in md and "--requests 10" in md
