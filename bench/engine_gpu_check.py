@@ -122,6 +122,27 @@ def check_stream_batch(gpu: Engine, prompts: list[str]) -> dict:
                                                    speedup=round(one_by_one / batched, 2)))
 
 
+def run_joins(stream, joins: dict[int, tuple[str, SamplingParams, dict | None]], alone: list[list[int]]) -> dict:
+    """Run a batch stream to its end, adding `joins[step]` (prompt, params, subset) before that step; -> each row's
+    token count and first greedy token that differs from `alone` (rows in the order added; None: all equal)."""
+    got: dict[int, list[int]] = {}
+    step = 0
+    while True:
+        if step in joins:
+            stream.add(*joins[step])
+        try:
+            events = next(stream)
+        except StopIteration:
+            break
+        for i, ev in events.items():
+            got.setdefault(i, []).append(ev.token_id)
+        step += 1
+    rows = [got.get(j, []) for j in range(len(alone))]
+    return dict(rows_tokens=[len(r) for r in rows],
+                first_mismatch_vs_alone=[next((i for i, (a, b) in enumerate(zip(r, want)) if a != b), None)
+                                         for r, want in zip(rows, alone)])
+
+
 def check_continuous(gpu: Engine, prompts: list[str], queue: int = 32, longest: int = 128) -> dict:
     """Continuous batching on the GPU. Rows joining a running batch (at steps 0, 3 and 9; the last one long enough
     to move the cache to 512 positions) against each prompt alone (greedy, first mismatch: bf16 batches may part
@@ -131,21 +152,8 @@ def check_continuous(gpu: Engine, prompts: list[str], queue: int = 32, longest: 
     plan = [(prompts[0], 40, 0), (prompts[1 % len(prompts)], 12, 3), (prompts[2 % len(prompts)], 300, 9)]
     sps = [SamplingParams(max_new_tokens=n, ignore_eos=True) for _, n, _ in plan]
     alone = [gpu.generate(p, sp).token_ids for (p, _, _), sp in zip(plan, sps)]
-    got: dict[int, list[int]] = {}
     stream = gpu.stream_batch([plan[0][0]], sps[:1])
-    for step in range(400):
-        for j, (p, _, at) in enumerate(plan):
-            if at == step and j:
-                stream.add(p, sps[j])
-        try:
-            events = next(stream)
-        except StopIteration:
-            break
-        for i, ev in events.items():
-            got.setdefault(i, []).append(ev.token_id)
-    first = [next((i for i, (a, b) in enumerate(zip(got.get(j, []), alone[j])) if a != b), None)
-             for j in range(len(plan))]
-    joins = dict(rows_tokens=[len(got.get(j, [])) for j in range(len(plan))], first_mismatch_vs_alone=first,
+    joins = dict(**run_joins(stream, {at: (p, sps[j], None) for j, (p, _, at) in enumerate(plan) if j}, alone),
                  moves=stream._batch.moves, cache_len=stream._batch.S)
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(max(1, longest // 8), longest + 1, (queue,), generator=gen).tolist()
@@ -194,22 +202,9 @@ def check_parse_joins(model_dir: Path, prompts: list[str]) -> dict:
     subsets = [gpu.rank_subset(p) for p in prompts]
     alone = [gpu.generate(p, sp, s).token_ids for p, s in zip(prompts, subsets)]
     stream = gpu.stream_batch(prompts[:1], [sp], subsets[:1])
-    got: dict[int, list[int]] = {}
-    for step in range(100):
-        if step in (2, 5):
-            j = 1 if step == 2 else 2
-            stream.add(prompts[j], sp, subsets[j])
-        try:
-            events = next(stream)
-        except StopIteration:
-            break
-        for i, ev in events.items():
-            got.setdefault(i, []).append(ev.token_id)
-    first = [next((i for i, (a, b) in enumerate(zip(got.get(j, []), alone[j])) if a != b), None)
-             for j in range(len(prompts))]
-    return dict(rows_tokens=[len(got.get(j, [])) for j in range(len(prompts))], first_mismatch_vs_alone=first,
-                moves=stream._batch.moves, one_launch_at_b1=any(s.decoder.step_kernel is not None
-                                                                 for s in gpu._slots.values()))
+    got = run_joins(stream, {2: (prompts[1], sp, subsets[1]), 5: (prompts[2], sp, subsets[2])}, alone)
+    return dict(**got, moves=stream._batch.moves,
+                one_launch_at_b1=any(s.decoder.step_kernel is not None for s in gpu._slots.values()))
 
 
 def check_prompt_logprobs(gpu: Engine, prompt: str) -> dict:

@@ -254,14 +254,11 @@ class Router:
         req, chat, family = routed[0].req, routed[0].chat, routed[0].req.model
         id = new_id("chatcmpl" if chat else "cmpl")
         tags = {"family": family, "protocol": "http"}
-        first_token, status = True, 200
-        n_prompt = first["prompt_tokens"]  # choice 0's start event; each later prompt's comes in its stream
-        pending: list[list[dict]] = [[] for _ in routed]  # per choice: logprob entries not sent yet
-        completion, left = 0, len(routed)
+        status, total = 200, None
 
-        def chunk(i: int, text: str, finish_reason: str | None = None, usage_: dict | None = None) -> str:
-            lp = _logprobs(routed[i], pending[i])
-            pending[i] = []
+        def chunk(i: int, text: str, entries: list[dict], finish_reason: str | None = None,
+                  usage_: dict | None = None) -> str:
+            lp = _logprobs(routed[i], entries)
             if not chat:
                 return _sse_line(chunk_body(id, family, text, finish_reason, usage_, lp, i))
             return _sse_line(chat_chunk_body(id, family, {"content": text} if text else {}, finish_reason, usage_,
@@ -272,24 +269,15 @@ class Router:
             if chat:
                 for i in range(len(routed)):
                     yield _sse_line(chat_chunk_body(id, family, {"role": "assistant", "content": ""}, index=i))
-            async for i, ev in merged:
-                if ev["event"] == "start" and routed[i].write_back:
-                    n_prompt += ev["prompt_tokens"]
-                elif ev["event"] == "token":
-                    pending[i].extend(ev.get("logprobs", ()))
-                    if not ev["text"]:
-                        continue
-                    if first_token:
-                        self.m_ttft.observe(time.perf_counter() - t0, tags=tags)
-                        first_token = False
-                    yield chunk(i, ev["text"])
-                elif ev["event"] == "end":
-                    completion, left = completion + ev["completion_tokens"], left - 1
-                    total = usage(n_prompt, completion) if left == 0 and not req.include_usage else None
-                    yield chunk(i, "", ev["finish_reason"], total)  # the last finish chunk carries the usage
+            # choice 0's start event was read already: its prompt tokens start the count
+            async for i, ev, entries, total in self._pieces(merged, routed, t0, tags, first["prompt_tokens"]):
+                if ev["event"] == "token":
+                    yield chunk(i, ev["text"], entries)
+                else:  # the last finish chunk carries the usage, unless OpenAI's extra chunk does
+                    yield chunk(i, "", entries, ev["finish_reason"], None if req.include_usage else total)
             if req.include_usage:  # as OpenAI: one more chunk, no choices, the request's usage
                 obj = "chat.completion.chunk" if chat else "text_completion"
-                yield _sse_line(usage_chunk_body(id, family, obj, usage(n_prompt, completion)))
+                yield _sse_line(usage_chunk_body(id, family, obj, total))
             yield "data: [DONE]\n\n"
         except Failure as f:  # mid-stream: the status line is sent, so report in-band
             status = f.status
@@ -390,28 +378,14 @@ class Router:
             tags = {"family": family, "protocol": "grpc"}
             streams = [self._events(r) for r in routed]
             merged = _merge(streams)
-            first_token = True
-            n_prompt, completion, left = 0, 0, len(routed)
-            pending: list[list[dict]] = [[] for _ in routed]  # per choice: entries of tokens held back
-            async for i, ev in merged:
-                if ev["event"] == "start" and routed[i].write_back:
-                    n_prompt += ev["prompt_tokens"]
-                elif ev["event"] == "token":
-                    pending[i].extend(ev.get("logprobs", ()))
-                    if not ev["text"]:
-                        continue
-                    if first_token:
-                        self.m_ttft.observe(time.perf_counter() - t0, tags=tags)
-                        first_token = False
+            async for i, ev, entries, total in self._pieces(merged, routed, t0, tags):
+                if ev["event"] == "token":
                     yield pb.GenerateChunk(id=id, index=i, text=ev["text"], token_id=ev["token_id"],
-                                           logprobs=_proto_logprobs(pending[i]))
-                    pending[i].clear()
-                elif ev["event"] == "end":
-                    completion, left = completion + ev["completion_tokens"], left - 1
+                                           logprobs=_proto_logprobs(entries))
+                else:
                     yield pb.GenerateChunk(id=id, index=i, finish_reason=ev["finish_reason"],
-                                           usage=pb.Usage(**usage(n_prompt, completion)) if left == 0 else None,
-                                           logprobs=_proto_logprobs(pending[i]))
-                    pending[i].clear()
+                                           usage=None if total is None else pb.Usage(**total),
+                                           logprobs=_proto_logprobs(entries))
         except Failure as f:
             status = f.status
             grpc_context.set_code(GRPC_CODE[f.status])
@@ -425,6 +399,33 @@ class Router:
                 await merged.aclose()
             await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
             self._count(family, "grpc", status, t0)
+
+    async def _pieces(self, merged: AsyncIterator[tuple[int, dict]], routed: list[Routed], t0: float,
+                      tags: dict[str, str], n_prompt: int = 0
+                      ) -> AsyncIterator[tuple[int, dict, list[dict], dict | None]]:
+        """What a stream sends, from its choices' merged worker events: (choice, a token event that releases text
+        or an end event, the logprob entries of the tokens it releases, the request's usage on the last end event
+        else None). A token whose text is held back (a possible stop string) sends its entries with the next one.
+        Each prompt's tokens count once (`n_prompt`: those of start events read already); observes the time to
+        the first token."""
+        pending: list[list[dict]] = [[] for _ in routed]  # per choice: entries of tokens held back
+        completion, left, first_token = 0, len(routed), True
+        async for i, ev in merged:
+            if ev["event"] == "start" and routed[i].write_back:
+                n_prompt += ev["prompt_tokens"]
+            elif ev["event"] == "token":
+                pending[i].extend(ev.get("logprobs", ()))
+                if not ev["text"]:
+                    continue
+                if first_token:
+                    self.m_ttft.observe(time.perf_counter() - t0, tags=tags)
+                    first_token = False
+                yield i, ev, pending[i], None
+                pending[i] = []
+            elif ev["event"] == "end":
+                completion, left = completion + ev["completion_tokens"], left - 1
+                yield i, ev, pending[i], usage(n_prompt, completion) if left == 0 else None
+                pending[i] = []
 
     # ---- shared path -----------------------------------------------------------------------------------------
 
