@@ -314,7 +314,8 @@ class Worker:
         tags = {"family": self.family}
         stream = None
         live: dict[int, _Pending] = {}  # the batch's row number -> its request
-        routed: dict[str, dict | None] = {}  # prompt -> the routers' subset: a prompt's n choices route once
+        routed: dict[str, dict | None] = {}  # prompt -> the routers' subset while one of its rows runs: a prompt's
+        # n choices route once
         try:
             stream = await self._call(self.engine.stream_batch, [], [], [], True)
             joining = first
@@ -364,6 +365,9 @@ class Worker:
         """Prepare each request on the engine thread (check a cached subset or route a miss, score an echoed
         prompt), send its start event and add it to the batch; a failure fails that request only."""
         tags = {"family": self.family}
+        running = {r.prompt for r in live.values() if r.finish is None}
+        for p in [p for p in routed if p not in running]:  # a batch may run for ever: keep only live prompts'
+            del routed[p]
         for req in reqs:
             self.m_queue.observe(time.monotonic() - req.t0, tags=tags)
             try:
