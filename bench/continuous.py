@@ -227,8 +227,8 @@ def first_step(eng: Engine, n: int = 8, tokens: int = 512, repeats: int = 5) -> 
     different = [text[i * chars:(i + 1) * chars] for i in range(n)]
     sp = SamplingParams(max_new_tokens=1, ignore_eos=True)
     out: dict[str, Any] = dict(rows=n, prompt_tokens=len(eng.encode_prompt(same[0])))
+    subs = None if eng.routers is None else [make_queue(eng, 1, 1, 1)[0][2]] * n  # PARSE: one subset for all
     for name, prompts in (("same_prompt_ms", same), ("different_prompts_ms", different)):
-        subs = None if eng.routers is None else [make_queue(eng, 1, 1, 1)[0][2]] * n
         ts = []
         for _ in range(repeats + 1):
             stream = eng.stream_batch(prompts, [sp] * n, subs, checked=True)
