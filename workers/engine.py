@@ -27,7 +27,7 @@ from rankserve.workers.model import Transformer
 from rankserve.workers.parse import Routers, apply, clear, load_parse, route_scores, select, validate
 from rankserve.workers.parse_batching import component_cost, group_by_overlap, membership, select_together
 from rankserve.workers.parse_decode import ParseSlots
-from rankserve.workers.prefill_graph import PrefillGraphs
+from rankserve.workers.prefill_graph import ChunkedPrefill, PrefillGraphs
 from rankserve.workers.sampler import SamplingParams, sample
 from rankserve.workers.tokenizer import Tokenizer
 
@@ -97,6 +97,7 @@ class _Row:
         self.pick: int | None = None
         self.pos = len(prompt_ids)
         self.need = 0
+        self.filled = 0  # prompt tokens in the cache: the row decodes once all are (a long one fills by chunks)
 
     def push(self, token: int, tok: Tokenizer, last: bool = False) -> str:
         """Append a token; return the newly releasable text and set `finish` when the row is done (`last`: the
@@ -198,9 +199,14 @@ class Engine:
                  extra_eos: tuple[int, ...] = (),  # more ids that end a reply (generation_config.json's)
                  # bytes the fast path's decoders (KV caches, PARSE slot weights) may hold together; the least
                  # recently used go first. None: 40 % of the GPU's memory (unbounded on the CPU)
-                 decoder_memory_bytes: int | None = None) -> None:
+                 decoder_memory_bytes: int | None = None,
+                 # a prompt longer than this joins a batch whose rows are decoding this many tokens a step (they take
+                 # a step between its chunks instead of waiting for the whole prompt); 0: whole prompts
+                 prefill_chunk: int = 512) -> None:
         if parse_pull < 0:
             raise ValueError(f"parse_pull must be >= 0, got {parse_pull}")
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0 (0: whole prompts), got {prefill_chunk}")
         self.model, self.tokenizer, self.manifest = model, tokenizer, manifest
         self.routers, self.reroute_every, self.parse_pull = routers, reroute_every, parse_pull
         self.cfg = model.cfg
@@ -220,6 +226,8 @@ class Engine:
         self._held: OrderedDict[tuple[str, int, int], int] = OrderedDict()  # built decoders' bytes, LRU first
         self._packed: dict[bool, list] = {}  # packed decode weights per fused-norm layout, shared by decoders
         self._prefills: PrefillGraphs | None = None  # the fast path's one-row prefills (CUDA graphs on the GPU)
+        self.prefill_chunk = prefill_chunk
+        self._chunks: ChunkedPrefill | None = None  # long prompts joining a decoding batch, a chunk a step
         # free places a running batch needs before waiting requests join it (BatchStream.admits): 1, except PARSE on
         # the GPU, where a join reloads the rank slots and is prefilled eagerly: at the 7B shape joining one at a
         # time gave 0.67x static batches' tokens/s, four at a time 1.06x (bench/results/continuous-h200-parse.md)
@@ -228,7 +236,8 @@ class Engine:
     @classmethod
     def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
              max_batch_size: int = 8, max_seq_len: int | None = None, fast_path: str = "auto",
-             reroute_every: int = 0, parse_pull: float = 0.2, decoder_memory_bytes: int | None = None) -> "Engine":
+             reroute_every: int = 0, parse_pull: float = 0.2, decoder_memory_bytes: int | None = None,
+             prefill_chunk: int = 512) -> "Engine":
         if dtype is None:
             dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
         model, manifest = load_checkpoint(model_dir, device=device, dtype=dtype)
@@ -237,7 +246,8 @@ class Engine:
             pad_ranks(model, GPU_ALIGN)  # exact; aligned rows for cuBLAS and Triton (workers/align.py)
         return cls(model, Tokenizer.load(model_dir), manifest, max_batch_size, max_seq_len, fast_path,
                    routers=routers, reroute_every=reroute_every, parse_pull=parse_pull,
-                   extra_eos=generation_eos(model_dir), decoder_memory_bytes=decoder_memory_bytes)
+                   extra_eos=generation_eos(model_dir), decoder_memory_bytes=decoder_memory_bytes,
+                   prefill_chunk=prefill_chunk)
 
     # --- public API ------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str, params: SamplingParams | None = None, room: int = 1) -> list[int]:
@@ -412,6 +422,14 @@ class Engine:
             self._prefills = PrefillGraphs(self.model, self.max_seq_len, graph=self.device.type == "cuda")
         return self._prefills
 
+    def _chunked_prefill(self) -> ChunkedPrefill:
+        """The one-row fill cache long prompts are prefilled into a chunk at a time (built on first use; not counted in
+        decoder_memory_bytes); its chunks replay a CUDA graph for a static model on the GPU."""
+        if self._chunks is None:
+            self._chunks = ChunkedPrefill(self.model, self.max_seq_len,
+                                          graph=self.device.type == "cuda" and self.routers is None)
+        return self._chunks
+
     def _make_room(self, B: int, S: int, parse: bool) -> None:
         """Drop the least recently used decoders until one more for (B, S) fits in `decoder_memory_bytes`: its KV
         cache, plus for PARSE slots the largest slots entry held so far (their weights are known once built)."""
@@ -455,7 +473,7 @@ class Engine:
         batch, todo = _Batch(self), list(range(len(rows)))
         try:
             while True:
-                while todo and len(batch.running()) + len(batch.joining) < self.max_batch_size:
+                while todo and batch.held() < self.max_batch_size:
                     i = todo.pop(0)
                     batch.add(rows[i], None if subsets is None else subsets[i])
                 if not batch.step() and not todo:
@@ -472,7 +490,9 @@ class _Batch:
     that size. One `step()`:
         free the slots of rows that finished → move to another bucket when the running and joining rows need one
         (their KV rows copied, running rows first) → one decode step for the running rows → prefill the joining
-        rows into their slots → sample each row's next token.
+        rows into their slots → one chunk of the first filling row → sample each row's next token.
+    A joining prompt longer than `Engine.prefill_chunk` while rows are decoding (or filling) becomes a filling row:
+    it holds its slot and is prefilled a chunk a step (`ChunkedPrefill`, first come first served), then decodes.
     A slot with no row steps along on the fast path (static shapes) and its writes are never read; its position
     is reset before it could run past the cache. PARSE rows keep their own subsets: the slots are reloaded with
     the new arrangement's union when rows join or move (no recapture), the eager path's masks re-applied.
@@ -487,44 +507,63 @@ class _Batch:
         self.cache: KVCache | None = None  # eager path
         self.lens: list[int] = []  # host mirror of the cache's seqlens, per slot
         self.joining: list[_Row] = []
+        self.filling: list[_Row] = []  # rows with slots whose long prompts go in a chunk a step, in order
         self.masks: dict[str, torch.Tensor | None] | None = None  # eager PARSE: the batch's masks, re-installed
         self.moves = 0  # layout changes after the first (tests, benchmarks)
         self.prefills = 0  # prompts run (a twin's copied cache not counted)
+        self.chunks = 0  # chunks of long prompts run (tests, benchmarks)
 
     def add(self, row: _Row, subset: dict | None) -> None:
         """Queue `row` (its subset validated) to join at the next step."""
-        if len(self.running()) + len(self.joining) >= self.e.max_batch_size:
+        if self.held() >= self.e.max_batch_size:
             raise ValueError(f"the batch is full ({self.e.max_batch_size} rows)")
         row.subset = subset
         row.need = min(row.pos + row.params.max_new_tokens, self.e.max_seq_len)
         self.joining.append(row)
 
     def running(self) -> list[_Row]:
-        return [r for r in self.slots if r is not None and r.finish is None]
+        """The rows decoding (in slots, not finished, a first token sampled)."""
+        return [r for r in self.slots if r is not None and r.finish is None and r.fed is not None]
+
+    def held(self) -> int:
+        """Rows holding a slot or queued for one, unfinished: what counts against max_batch_size."""
+        return sum(r is not None and r.finish is None for r in self.slots) + len(self.joining)
 
     @torch.inference_mode()
     def step(self) -> list[tuple[_Row, int, str]]:
         """One token for every running and joining row: (row, token, new text); [] once none is left."""
         e = self.e
-        for s, r in enumerate(self.slots):  # rows that finished (or were stopped) leave
+        for s, r in enumerate(self.slots):  # rows that finished (or were stopped, filling or not) leave
             if r is not None and r.finish is not None:
                 self.slots[s] = None
                 self._reset([s])
+        ready = [r for r in self.filling if r.finish is None and r.filled == len(r.prompt_ids)]  # placed last step
+        self.filling = [r for r in self.filling if r.finish is None and r.filled < len(r.prompt_ids)]
         running = self.running()
         joining = [r for r in self.joining if r.finish is None]
         self.joining = []
-        if not running and not joining:
+        if not running and not joining and not self.filling and not ready:
             return []
-        self._arrange(running, joining)
+        chunk = e.prefill_chunk
+        busy = bool(running or self.filling or ready)  # rows that would wait for a long prompt's whole prefill
+        long = [r for r in joining if busy and chunk and len(r.prompt_ids) > chunk]
+        whole = [r for r in joining if all(r is not l for l in long)]
+        self._arrange(running + self.filling + ready, joining)
         if self.masks is not None:  # eager PARSE: a prompt scored or routed between steps used the model's masks
             for n, lin in e.model.projections().items():
                 lin.mask = self.masks.get(n)
         if running:
             self._decode_step(running)
-        if joining:
-            self._prefill(joining)
+        cache = self.dec.cache if self.dec is not None else self.cache
+        for r in ready:  # the fast step advanced their slots too: back to their prompts' ends (no host sync)
+            cache.seqlens[r.slot:r.slot + 1].fill_(len(r.prompt_ids))
+            self.lens[r.slot] = len(r.prompt_ids)
+        if whole:
+            self._prefill(whole)
+        self.filling += long
+        ready += self._fill(busy=bool(running or ready))
         out = []
-        for r in sorted(running + joining, key=lambda r: r.slot):
+        for r in sorted(running + whole + ready, key=lambda r: r.slot):
             if r.pick is not None and r.params.temperature == 0:
                 t = r.pick  # the argmax the fast step took on the device
             else:
@@ -647,6 +686,8 @@ class _Batch:
                 twins.append((r, twin))
         self._prefill_rows(leaders)
         cache = self.dec.cache if self.dec is not None else self.cache
+        for r in joining:
+            r.filled = len(r.prompt_ids)
         for r, twin in twins:
             n = len(r.prompt_ids)
             cache._k[:, r.slot, :n] = cache._k[:, twin.slot, :n]  # (layers, n, H_kv, D)
@@ -655,6 +696,43 @@ class _Batch:
             self.lens[r.slot] = n
             r.logits = twin.logits.clone()
         self.prefills += len(leaders)
+
+    def _fill(self, busy: bool) -> list[_Row]:
+        """The next chunk of the first filling row's prompt; when it is the last, the prompt goes into the row's slot
+        (and into those of filling rows with the same prompt and subset: n choices). `busy` (rows are making tokens
+        this step): one chunk, and the rows it completes stay in `filling` to take their first token next step, so
+        that no step waits for two chunks (each chunk runs on the device after its step's tokens were read, and a
+        first token sampled at once would wait for the last one); -> []. Otherwise all its chunks; -> the rows it
+        completed, to take their first token now."""
+        if not self.filling:
+            return []
+        e, r = self.e, self.filling[0]
+        chunks = e._chunked_prefill()
+        n, size = len(r.prompt_ids), e.prefill_chunk or len(r.prompt_ids)  # 0 set while it filled: the rest at once
+        while r.filled < n:
+            if e.routers is None:  # static: the fill graph (CUDA) or the model
+                logits = chunks.run(r.prompt_ids, r.filled, size)
+            else:  # PARSE: the model in use, its masks narrowed to the row's slot
+                model = self.dec.model if self.dec is not None else e.model
+                with _mask_rows(model, r.slot, r.slot + 1):
+                    logits = chunks.run(r.prompt_ids, r.filled, size, model=model)
+            r.filled = min(n, r.filled + size)
+            self.chunks += 1
+            if busy:
+                break
+        if r.filled < n:
+            return []
+        cache = self.dec.cache if self.dec is not None else self.cache
+        done = [t for t in self.filling if t is r or (t.prompt_ids == r.prompt_ids and t.subset == r.subset)]
+        for t in done:
+            chunks.place(cache, t.slot, n)
+            self.lens[t.slot] = n
+            t.filled, t.logits = n, logits if t is r else logits.clone()
+        self.prefills += 1
+        if busy:
+            return []
+        self.filling = [t for t in self.filling if all(t is not d for d in done)]
+        return done
 
     def _prefill_rows(self, joining: list[_Row]) -> None:
         """Prompts into their rows' slots: replayed graphs one by one, or one forward per run of neighbouring
@@ -714,13 +792,13 @@ class BatchStream:
 
     def room(self) -> int:
         """How many more rows may join now."""
-        return self.e.max_batch_size - len(self._batch.running()) - len(self._batch.joining)
+        return self.e.max_batch_size - self._batch.held()
 
     def admits(self, waiting: int) -> int:
         """How many of `waiting` requests should join now: as many as there is room for once the room holds
         `Engine.join_min` of them (or all of them, or no row is running); else 0, and the running rows go on."""
         room, want = self.room(), min(self.e.join_min, waiting)
-        idle = not self._batch.running() and not self._batch.joining
+        idle = self._batch.held() == 0
         return min(room, waiting) if idle or room >= want else 0
 
     def __iter__(self) -> "BatchStream":

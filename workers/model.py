@@ -15,6 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from rankserve.workers.config import ROPE_TYPES, ModelConfig
 from rankserve.workers.kv_cache import KVCache
@@ -138,7 +139,8 @@ class Attention(nn.Module):
             setattr(self, p, FactorizedLinear(inp, out, ranks[p], bases.get(p), device, dtype))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
-                cache: KVCache | None, pos: torch.Tensor, valid: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+                cache: KVCache | None, pos: torch.Tensor, valid: torch.Tensor,
+                key_mask: torch.Tensor | CausalBias) -> torch.Tensor:
         B, S, _ = x.shape
         q = self.q(x).view(B, S, self.n_heads, self.head_dim)  # (B, S, H, D)
         k = self.k(x).view(B, S, self.n_kv, self.head_dim)  # (B, S, H_kv, D)
@@ -146,7 +148,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:  # write the new keys at each row's positions, then read the cache up to the longest row
             cache.write(layer, pos, k, v, valid)
-            n = S if key_mask is CAUSAL else key_mask.shape[-1]
+            n = S if key_mask is CAUSAL else key_mask.seq_len_kv if isinstance(key_mask, CausalBias) else \
+                key_mask.shape[-1]
             k, v = cache.k[layer][:, :n], cache.v[layer][:, :n]  # (B, S_k, H_kv, D)
         rep = self.n_heads // self.n_kv
         k = k.repeat_interleave(rep, dim=2) if rep > 1 else k  # (B, S_k, H, D)
@@ -154,6 +157,8 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D)
         if key_mask is CAUSAL:  # plain causal prefill from position 0: flash kernels apply
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif isinstance(key_mask, CausalBias):  # a chunk after the cached positions (bottom-right causal)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask[:, None])  # key_mask (B, S, S_k)
         out = out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim)
@@ -251,7 +256,7 @@ class Transformer(nn.Module):
     # --- forward ---------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
                 lengths: torch.Tensor | None = None, last_only: bool = False, head: bool = True,
-                fresh: bool = False) -> torch.Tensor:
+                fresh: bool = False, at: int | None = None) -> torch.Tensor:
         """tokens (B, S) -> logits (B, S, V) fp32, or (B, V) at each row's last real token if `last_only`;
         `head=False`: the final normed hidden states instead (B, S, hidden), for callers that apply the head in
         pieces.
@@ -261,6 +266,10 @@ class Transformer(nn.Module):
         `fresh`: the caller guarantees every row starts at position 0 and fits the cache (a prefill into emptied
         rows): nothing is read back to the host, so a CUDA graph can capture the call (workers/prefill_graph.py).
         Right-padded rows then attend causally: a real token's earlier keys are all real.
+        `at`: every row continues from position `at` (cache.seqlens holds it) and at + S fits the cache: the next
+        chunk of a long prompt (workers/prefill_graph.py `ChunkedPrefill`). No host sync either; the keys are the
+        cache's first at + S positions, causal from the bottom right (flash kernels apply), so right padding's
+        stale keys come after every real query.
         """
         B, S = tokens.shape
         dev = tokens.device
@@ -272,6 +281,10 @@ class Transformer(nn.Module):
             pos = t[None].expand(B, S)  # (B, S)
             cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (B, S, D)
             key_mask = CAUSAL
+        elif at is not None:
+            pos = (at + t)[None].expand(B, S)  # (B, S) absolute positions
+            cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (B, S, D)
+            key_mask = causal_lower_right(S, at + S)
         else:
             start = cache.seqlens.to(torch.int64) if cache is not None else torch.zeros(B, dtype=torch.int64,
                                                                                           device=dev)

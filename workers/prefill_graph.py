@@ -95,3 +95,91 @@ class PrefillGraphs:
         with torch.cuda.graph(g):
             logits = self._forward(tokens, length)
         self._graphs[L] = (g, tokens, length, logits)
+
+
+class ChunkedPrefill:
+    """A long prompt prefilled a chunk at a time, so the rows already decoding take a step between its chunks instead
+    of waiting for the whole prompt (at the 7B shape a 2,000-token prefill holds them for ~48 ms;
+    bench/results/continuous-h200.md).
+
+    The chunks go into a one-row cache of its own (`fill`, the whole context), each attending to the ones before
+    (flash attention over exactly the positions filled: `Transformer.forward(at=...)`); `place` then copies the
+    finished prompt's K/V into its row of the batch's cache. One prompt fills at a time. With `graph` (a static model
+    on CUDA) a chunk replays a CUDA graph, one per (chunk size, start): at most context / chunk of them a size, on
+    one shared memory pool; otherwise, and whenever `run` is given another model (PARSE slots, masks narrowed to the
+    row by the caller), it runs eagerly.
+
+        chunks = ChunkedPrefill(model, max_len=4096)
+        for start in range(0, len(ids), 512):
+            logits = chunks.run(ids, start, 512)   # (V,) fp32: the last token's, once the last chunk has run
+        chunks.place(cache, slot, len(ids))
+    """
+
+    def __init__(self, model: Transformer, max_len: int, graph: bool = True) -> None:
+        cfg, w = model.cfg, model.embed.weight
+        if graph and w.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device; use graph=False on the CPU")
+        self.model, self.max_len, self.graph = model, max_len, graph
+        self.fill = KVCache(cfg.num_hidden_layers, 1, max_len, cfg.num_key_value_heads, cfg.head_dim,
+                            device=w.device, dtype=w.dtype)  # (L, 1, max_len + 1, H_kv, D)
+        # (chunk size, start) -> (graph or None, static tokens (1, chunk), static length (1,), its logits (1, V) or None)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor, torch.Tensor,
+                                                  torch.Tensor | None]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if graph else None  # replays run one at a time: one pool
+
+    def graphs(self) -> list[tuple[int, int]]:
+        """(chunk size, start) of the graphs captured so far."""
+        return sorted(k for k, v in self._graphs.items() if v[0] is not None)
+
+    @torch.inference_mode()
+    def run(self, ids: list[int], start: int, chunk: int, model: Transformer | None = None) -> torch.Tensor:
+        """ids[start : start + chunk] at positions start.. of the fill cache (the chunks before it already there);
+        -> the logits of its last token (V,) fp32, a tensor of its own. `model`: run it eagerly instead."""
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1 token, got {chunk}")
+        piece = ids[start:start + chunk]
+        if not piece or start + len(piece) > self.max_len:
+            raise ValueError(f"no chunk of a {len(ids)}-token prompt starts at {start} (context {self.max_len})")
+        chunk = min(chunk, self.max_len - start)  # the last chunk's padding stays inside the cache
+        key = (chunk, start)
+        if key not in self._graphs:
+            dev = self.model.embed.weight.device
+            self._graphs[key] = (None, torch.zeros(1, chunk, dtype=torch.long, device=dev),
+                                 torch.ones(1, dtype=torch.int32, device=dev), None)
+        g, tokens, length, logits = self._graphs[key]
+        host = torch.zeros(1, chunk, dtype=torch.long)
+        host[0, :len(piece)] = torch.tensor(piece)
+        tokens.copy_(host, non_blocking=True)
+        length.fill_(len(piece))
+        if model is not None or not self.graph:
+            logits = self._forward(model or self.model, tokens, length, start)
+        else:
+            if g is None:
+                g, logits = self._capture(tokens, length, start)
+                self._graphs[key] = (g, tokens, length, logits)
+            g.replay()
+        return logits[0].clone()
+
+    def place(self, cache: KVCache, slot: int, n: int) -> None:
+        """The filled prompt's n positions into row `slot` of `cache`, its position set to n."""
+        cache._k[:, slot, :n].copy_(self.fill._k[:, 0, :n])  # (layers, n, H_kv, D)
+        cache._v[:, slot, :n].copy_(self.fill._v[:, 0, :n])
+        cache.seqlens[slot:slot + 1].fill_(n)  # a fill kernel: `seqlens[slot] = n` copies from the host and syncs
+
+    def _forward(self, model: Transformer, tokens: torch.Tensor, length: torch.Tensor, start: int) -> torch.Tensor:
+        self.fill.seqlens.fill_(start)
+        return model(tokens, self.fill, length, last_only=True, at=start)  # (1, V)
+
+    def _capture(self, tokens: torch.Tensor, length: torch.Tensor, start: int) -> tuple[torch.cuda.CUDAGraph,
+                                                                                       torch.Tensor]:
+        dev = self.model.embed.weight.device
+        side = torch.cuda.Stream(dev)  # warm-up off the capture, as PrefillGraphs does: it writes the very K/V the
+        side.wait_stream(torch.cuda.current_stream(dev))  # replay will
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(self.model, tokens, length, start)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool):
+            logits = self._forward(self.model, tokens, length, start)  # captured, not run: the replay runs it
+        return g, logits
