@@ -60,6 +60,8 @@ class FamilySpec:
     # batches, each decoded to its end while new requests wait (measured against: worker-batching-cpu-continuous.md)
     join_min_rows: int | None = None  # free places a running batch needs before waiting requests join; None: the
     # engine's default (1; a PARSE family on the GPU: max_batch_size // 2, measured in continuous-h200-parse.md)
+    prefill_chunk: int = 512  # a longer prompt joins a decoding batch this many tokens a step, so the running rows
+    # keep making tokens while it fills (0: whole prompts; measured in bench/results/chunked-prefill-h200.md)
     decoder_memory_gb: float | None = None  # what the GPU fast path's decoders may hold (KV caches of each batch-size
     # and context bucket, PARSE slot weights); least recently used dropped first. None: 40 % of the GPU's memory.
     # Not counted: the graphed prefills' one-row staging cache and activation pools (workers/prefill_graph.py)
@@ -74,6 +76,8 @@ class FamilySpec:
             raise ValueError(f"batch_wait_ms must be >= 0: {self}")
         if self.join_min_rows is not None and not 1 <= self.join_min_rows <= self.max_batch_size:
             raise ValueError(f"join_min_rows must be in 1..max_batch_size: {self}")
+        if self.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0 (0: whole prompts): {self}")
 
 
 DEVICE_ERROR_WORDS = ("CUDA", "CUBLAS", "cuDNN")  # in the messages of torch's RuntimeErrors from the device
@@ -126,7 +130,8 @@ class Worker:
         gb = self.spec.decoder_memory_gb
         self.engine = Engine.load(self.spec.model_dir, device=self.spec.device, dtype=dtype,
                                   max_batch_size=self.spec.max_batch_size,
-                                  decoder_memory_bytes=None if gb is None else int(gb * 2**30))
+                                  decoder_memory_bytes=None if gb is None else int(gb * 2**30),
+                                  prefill_chunk=self.spec.prefill_chunk)
         if self.spec.join_min_rows is not None:
             self.engine.join_min = self.spec.join_min_rows
         self.version = self.spec.model_version or model_version(self.spec.model_dir)
