@@ -3,8 +3,8 @@ compressions of both): the fast decode path (per-kernel or one-launch) at B = 1 
 logprobs against a teacher-forced forward, the cost of asking for logprobs, the worker's batches
 (`Engine.stream_batch`: rows against each alone, 8 requests batched against one by one), continuous batching (rows
 joining a running batch against each alone, PARSE rows too; a queue of mixed lengths, static batches against
-joining) and echo scoring
-(`Engine.prompt_logprobs` against the logprobs generation reported).
+joining), chunked prefill (the fill graph against eager chunks, a long prompt joining by chunks against it alone)
+and echo scoring (`Engine.prompt_logprobs` against the logprobs generation reported).
 
 CI runs the kernels under TRITON_INTERPRET=1, where tl.dot takes any shape and there is no L2 prefetch: this check
 is what found head_dim 8 failing to compile on the H200 (kernels/decode_attention.py, workers/fast_decode.py).
@@ -207,6 +207,36 @@ def check_parse_joins(model_dir: Path, prompts: list[str]) -> dict:
                 one_launch_at_b1=any(s.decoder.step_kernel is not None for s in gpu._slots.values()))
 
 
+@torch.inference_mode()
+def check_chunked(model_dir: Path, prompts: list[str], chunk: int = 64, device: str = "cuda",
+                  dtype: torch.dtype | None = None) -> dict:
+    """Chunked prefill on the GPU: one long prompt's chunks replayed from the fill graph against the same chunks run
+    eagerly (last logits, K/V) and against one forward of the whole prompt, and a long prompt joining a decoding
+    batch a chunk a step against each request alone (first greedy mismatch; `dtype` None: bf16)."""
+    from rankserve.workers.prefill_graph import ChunkedPrefill
+
+    gpu = Engine.load(model_dir, device=device, dtype=dtype, prefill_chunk=chunk)
+    long = " ".join(prompts * 80)
+    ids = gpu.tokenizer.encode(long, bos=True)[: gpu.max_seq_len - 96]
+    graphed = ChunkedPrefill(gpu.model, gpu.max_seq_len, graph=device == "cuda")
+    eager = ChunkedPrefill(gpu.model, gpu.max_seq_len, graph=False)
+    for start in range(0, len(ids), chunk):
+        a, b = graphed.run(ids, start, chunk), eager.run(ids, start, chunk)
+    n = len(ids)
+    kv = max(float((graphed.fill.k[:, 0, :n] - eager.fill.k[:, 0, :n]).abs().max()),
+             float((graphed.fill.v[:, 0, :n] - eager.fill.v[:, 0, :n]).abs().max()))
+    whole = gpu.model(torch.tensor([ids], device=device), last_only=True)[0]  # one eager forward of the prompt
+    text = gpu.tokenizer.decode(ids[1:])
+    sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    alone = [gpu.generate(prompts[0], SamplingParams(max_new_tokens=40, ignore_eos=True)).token_ids,
+             gpu.generate(text, sp).token_ids]
+    stream = gpu.stream_batch([prompts[0]], [SamplingParams(max_new_tokens=40, ignore_eos=True)])
+    joined = run_joins(stream, {2: (text, sp)}, alone)
+    return dict(prompt_tokens=n, chunk=chunk, graph_vs_eager_max_abs_logit=float((a - b).abs().max()),
+                graph_vs_eager_max_abs_kv=kv, chunks_vs_whole_max_abs_logit=float((a - whole).abs().max()),
+                chunks_argmax_equal_whole=int(a.argmax()) == int(whole.argmax()), **joined)
+
+
 def check_prompt_logprobs(gpu: Engine, prompt: str) -> dict:
     """echo scoring on the GPU: prompt + a generated completion, scored in one forward, against the logprobs the
     generation reported (bf16: the eager forward and the fast decode path round differently)."""
@@ -223,6 +253,7 @@ def check_prompt_logprobs(gpu: Engine, prompt: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--only-chunked", action="store_true", help="only the chunked-prefill checks (check_chunked)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("error: this check needs a CUDA GPU")
@@ -235,8 +266,16 @@ def main(argv: list[str] | None = None) -> int:
                   "reference": (ROOT / "models" / "reference", WIKI_PROMPTS),
                   "stories260K": (ROOT / "models" / "stories260K", STORY_PROMPTS)}
         for name, (d, prompts) in models.items():
-            out[name] = check(d, prompts)
-            print(name, json.dumps(out[name]), flush=True)
+            if not a.only_chunked:
+                out[name] = check(d, prompts)
+                print(name, json.dumps(out[name]), flush=True)
+            if name.startswith("reference"):
+                for dt, tag in ((None, "-chunked"), (torch.float32, "-chunked-fp32")):
+                    out[name + tag] = check_chunked(d, prompts, dtype=dt)
+                    print(name + tag, json.dumps(out[name + tag]), flush=True)
+        if a.only_chunked:
+            Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+            return 0
         from rankserve.compress.parse import TrainConfig, build_parse_checkpoint
 
         calib = ROOT / "tests" / "data" / "tinyshakespeare-head.txt"
