@@ -157,6 +157,7 @@ def test_parse_rows_fill_with_their_own_subsets(tmp_path):
     sp = SamplingParams(max_new_tokens=16, ignore_eos=True)
     for fast_path in ("off", "torch"):
         eng = Engine.load(ckpt, fast_path=fast_path, prefill_chunk=8)
+        assert eng.prefix is None  # a PARSE row's K/V depend on its subset: no prefix cache
         subsets = [eng.rank_subset(p) for p in ("The dog", LONG)]
         alone = [eng.generate(p, sp, subset=s).token_ids for p, s in zip(("The dog", LONG), subsets)]
         stream = eng.stream_batch(["The dog"], [sp], subsets=[subsets[0]])

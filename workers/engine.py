@@ -27,7 +27,8 @@ from rankserve.workers.model import Transformer
 from rankserve.workers.parse import Routers, apply, clear, load_parse, route_scores, select, validate
 from rankserve.workers.parse_batching import component_cost, group_by_overlap, membership, select_together
 from rankserve.workers.parse_decode import ParseSlots
-from rankserve.workers.prefill_graph import ChunkedPrefill, PrefillGraphs
+from rankserve.workers.prefill_graph import MIN_BUCKET, ChunkedPrefill, PrefillGraphs
+from rankserve.workers.prefix_cache import PrefixCache
 from rankserve.workers.sampler import SamplingParams, sample
 from rankserve.workers.tokenizer import Tokenizer
 
@@ -98,6 +99,7 @@ class _Row:
         self.pos = len(prompt_ids)
         self.need = 0
         self.filled = 0  # prompt tokens in the cache: the row decodes once all are (a long one fills by chunks)
+        self.prefix: tuple[int, torch.Tensor, torch.Tensor] | None = None  # a prefix cache hit: (p, K, V of ids[:p])
 
     def push(self, token: int, tok: Tokenizer, last: bool = False) -> str:
         """Append a token; return the newly releasable text and set `finish` when the row is done (`last`: the
@@ -202,7 +204,10 @@ class Engine:
                  decoder_memory_bytes: int | None = None,
                  # a prompt longer than this joins a batch whose rows are decoding this many tokens a step (they take
                  # a step between its chunks instead of waiting for the whole prompt); 0: whole prompts
-                 prefill_chunk: int = 512) -> None:
+                 prefill_chunk: int = 512,
+                 # bytes of earlier prompts' K/V kept for prompts that start alike (workers/prefix_cache.py; static
+                 # models): None: 5 % of the GPU's memory, 256 MB on the CPU; 0: off
+                 prefix_cache_bytes: int | None = None) -> None:
         if parse_pull < 0:
             raise ValueError(f"parse_pull must be >= 0, got {parse_pull}")
         if prefill_chunk < 0:
@@ -228,6 +233,12 @@ class Engine:
         self._prefills: PrefillGraphs | None = None  # the fast path's one-row prefills (CUDA graphs on the GPU)
         self.prefill_chunk = prefill_chunk
         self._chunks: ChunkedPrefill | None = None  # long prompts joining a decoding batch, a chunk a step
+        if prefix_cache_bytes is None:
+            prefix_cache_bytes = int(0.05 * torch.cuda.get_device_properties(self.device).total_memory) \
+                if self.device.type == "cuda" else 256 * 2**20
+        if prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be >= 0 (0: off), got {prefix_cache_bytes}")
+        self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes and routers is None else None
         # free places a running batch needs before waiting requests join it (BatchStream.admits): 1, except PARSE on
         # the GPU, where a join reloads the rank slots and is prefilled eagerly: at the 7B shape joining one at a
         # time gave 0.67x static batches' tokens/s, four at a time 1.06x (bench/results/continuous-h200-parse.md)
@@ -237,7 +248,7 @@ class Engine:
     def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
              max_batch_size: int = 8, max_seq_len: int | None = None, fast_path: str = "auto",
              reroute_every: int = 0, parse_pull: float = 0.2, decoder_memory_bytes: int | None = None,
-             prefill_chunk: int = 512) -> "Engine":
+             prefill_chunk: int = 512, prefix_cache_bytes: int | None = None) -> "Engine":
         if dtype is None:
             dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
         model, manifest = load_checkpoint(model_dir, device=device, dtype=dtype)
@@ -247,7 +258,7 @@ class Engine:
         return cls(model, Tokenizer.load(model_dir), manifest, max_batch_size, max_seq_len, fast_path,
                    routers=routers, reroute_every=reroute_every, parse_pull=parse_pull,
                    extra_eos=generation_eos(model_dir), decoder_memory_bytes=decoder_memory_bytes,
-                   prefill_chunk=prefill_chunk)
+                   prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes)
 
     # --- public API ------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str, params: SamplingParams | None = None, room: int = 1) -> list[int]:
@@ -493,6 +504,8 @@ class _Batch:
         rows into their slots → one chunk of the first filling row → sample each row's next token.
     A joining prompt longer than `Engine.prefill_chunk` while rows are decoding (or filling) becomes a filling row:
     it holds its slot and is prefilled a chunk a step (`ChunkedPrefill`, first come first served), then decodes.
+    So does a prompt that starts like an earlier one (`Engine.prefix`): its K/V up to there come from the prefix
+    cache and only the rest is run.
     A slot with no row steps along on the fast path (static shapes) and its writes are never read; its position
     is reset before it could run past the cache. PARSE rows keep their own subsets: the slots are reloaded with
     the new arrangement's union when rows join or move (no recapture), the eager path's masks re-applied.
@@ -546,7 +559,11 @@ class _Batch:
             return []
         chunk = e.prefill_chunk
         busy = bool(running or self.filling or ready)  # rows that would wait for a long prompt's whole prefill
-        long = [r for r in joining if busy and chunk and len(r.prompt_ids) > chunk]
+        if e.prefix is not None:
+            for r in joining:
+                p, k, v = e.prefix.match(r.prompt_ids)
+                r.prefix = (p, k, v) if p else None
+        long = [r for r in joining if r.prefix is not None or (busy and chunk and len(r.prompt_ids) > chunk)]
         whole = [r for r in joining if all(r is not l for l in long)]
         self._arrange(running + self.filling + ready, joining)
         if self.masks is not None:  # eager PARSE: a prompt scored or routed between steps used the model's masks
@@ -688,6 +705,9 @@ class _Batch:
         cache = self.dec.cache if self.dec is not None else self.cache
         for r in joining:
             r.filled = len(r.prompt_ids)
+        if self.e.prefix is not None:
+            for r in leaders:
+                self.e.prefix.store(r.prompt_ids, cache.k[:, r.slot], cache.v[:, r.slot])
         for r, twin in twins:
             n = len(r.prompt_ids)
             cache._k[:, r.slot, :n] = cache._k[:, twin.slot, :n]  # (layers, n, H_kv, D)
@@ -698,37 +718,50 @@ class _Batch:
         self.prefills += len(leaders)
 
     def _fill(self, busy: bool) -> list[_Row]:
-        """The next chunk of the first filling row's prompt; when it is the last, the prompt goes into the row's slot
-        (and into those of filling rows with the same prompt and subset: n choices). `busy` (rows are making tokens
-        this step): one chunk, and the rows it completes stay in `filling` to take their first token next step, so
-        that no step waits for two chunks (each chunk runs on the device after its step's tokens were read, and a
-        first token sampled at once would wait for the last one); -> []. Otherwise all its chunks; -> the rows it
-        completed, to take their first token now."""
-        if not self.filling:
-            return []
-        e, r = self.e, self.filling[0]
-        chunks = e._chunked_prefill()
-        n, size = len(r.prompt_ids), e.prefill_chunk or len(r.prompt_ids)  # 0 set while it filled: the rest at once
-        while r.filled < n:
-            if e.routers is None:  # static: the fill graph (CUDA) or the model
-                logits = chunks.run(r.prompt_ids, r.filled, size)
-            else:  # PARSE: the model in use, its masks narrowed to the row's slot
-                model = self.dec.model if self.dec is not None else e.model
-                with _mask_rows(model, r.slot, r.slot + 1):
-                    logits = chunks.run(r.prompt_ids, r.filled, size, model=model)
-            r.filled = min(n, r.filled + size)
-            self.chunks += 1
-            if busy:
+        """Filling rows' prompts, first come first served, through the one-row fill cache: a prefix cache hit's K/V
+        copied in first, then the rest by chunks (the last one padded to a power of two). Each prompt completed goes
+        into its row's slot, and into those of filling rows with the same prompt and subset (n choices).
+        `busy` (rows are making tokens this step): chunks up to `Engine.prefill_chunk` tokens in all (at least one),
+        and the rows completed stay in `filling` to take their first token next step, so that no step waits for two
+        chunks' worth (a chunk runs on the device after its step's tokens were read, and a first token sampled at once
+        would wait for it too); -> []. Otherwise every filling row's whole prompt; -> the rows completed, to take
+        their first token now."""
+        e = self.e
+        chunks, cache = e._chunked_prefill(), self.dec.cache if self.dec is not None else self.cache
+        budget, spent, done = (e.prefill_chunk or None) if busy else None, 0, []
+        while r := next((t for t in self.filling if t.filled < len(t.prompt_ids)), None):
+            n = len(r.prompt_ids)
+            if r.filled == 0 and r.prefix is not None:
+                p, k, v = r.prefix
+                chunks.fill._k[:, 0, :p].copy_(k)  # (layers, p, H_kv, D)
+                chunks.fill._v[:, 0, :p].copy_(v)
+                r.filled, r.prefix = p, None
+            while r.filled < n:
+                left = n - r.filled
+                size = min(e.prefill_chunk or left, max(MIN_BUCKET, 1 << (left - 1).bit_length()))
+                if budget is not None and spent and spent + size > budget:
+                    break
+                if e.routers is None:  # static: the fill graph (CUDA) or the model
+                    logits = chunks.run(r.prompt_ids, r.filled, size)
+                else:  # PARSE: the model in use, its masks narrowed to the row's slot
+                    model = self.dec.model if self.dec is not None else e.model
+                    with _mask_rows(model, r.slot, r.slot + 1):
+                        logits = chunks.run(r.prompt_ids, r.filled, size, model=model)
+                r.filled = min(n, r.filled + size)
+                spent += size
+                self.chunks += 1
+            if r.filled < n:
                 break
-        if r.filled < n:
-            return []
-        cache = self.dec.cache if self.dec is not None else self.cache
-        done = [t for t in self.filling if t is r or (t.prompt_ids == r.prompt_ids and t.subset == r.subset)]
-        for t in done:
-            chunks.place(cache, t.slot, n)
-            self.lens[t.slot] = n
-            t.filled, t.logits = n, logits if t is r else logits.clone()
-        self.prefills += 1
+            twins = [t for t in self.filling if t is r or (t.filled < n and t.prompt_ids == r.prompt_ids and
+                                                           t.subset == r.subset)]
+            for t in twins:
+                chunks.place(cache, t.slot, n)
+                self.lens[t.slot] = n
+                t.filled, t.logits, t.prefix = n, logits if t is r else logits.clone(), None
+            if e.prefix is not None:
+                e.prefix.store(r.prompt_ids, chunks.fill.k[:, 0], chunks.fill.v[:, 0])
+            self.prefills += 1
+            done += twins
         if busy:
             return []
         self.filling = [t for t in self.filling if all(t is not d for d in done)]
