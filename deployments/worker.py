@@ -62,6 +62,9 @@ class FamilySpec:
     # engine's default (1; a PARSE family on the GPU: max_batch_size // 2, measured in continuous-h200-parse.md)
     prefill_chunk: int = 512  # a longer prompt joins a decoding batch this many tokens a step, so the running rows
     # keep making tokens while it fills (0: whole prompts; measured in bench/results/chunked-prefill-h200.md)
+    prefix_cache_gb: float | None = None  # earlier prompts' K/V kept so a prompt that starts alike (a chat's system
+    # prompt and history) prefills only the rest (workers/prefix_cache.py; static models). None: the engine's default
+    # (5 % of the GPU's memory, 256 MB on the CPU); 0: off
     decoder_memory_gb: float | None = None  # what the GPU fast path's decoders may hold (KV caches of each batch-size
     # and context bucket, PARSE slot weights); least recently used dropped first. None: 40 % of the GPU's memory.
     # Not counted: the graphed prefills' one-row staging cache and activation pools (workers/prefill_graph.py)
@@ -78,6 +81,8 @@ class FamilySpec:
             raise ValueError(f"join_min_rows must be in 1..max_batch_size: {self}")
         if self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0: whole prompts): {self}")
+        if self.prefix_cache_gb is not None and self.prefix_cache_gb < 0:
+            raise ValueError(f"prefix_cache_gb must be >= 0 (0: off): {self}")
 
 
 DEVICE_ERROR_WORDS = ("CUDA", "CUBLAS", "cuDNN")  # in the messages of torch's RuntimeErrors from the device
@@ -131,7 +136,9 @@ class Worker:
         self.engine = Engine.load(self.spec.model_dir, device=self.spec.device, dtype=dtype,
                                   max_batch_size=self.spec.max_batch_size,
                                   decoder_memory_bytes=None if gb is None else int(gb * 2**30),
-                                  prefill_chunk=self.spec.prefill_chunk)
+                                  prefill_chunk=self.spec.prefill_chunk,
+                                  prefix_cache_bytes=None if self.spec.prefix_cache_gb is None else
+                                  int(self.spec.prefix_cache_gb * 2**30))
         if self.spec.join_min_rows is not None:
             self.engine.join_min = self.spec.join_min_rows
         self.version = self.spec.model_version or model_version(self.spec.model_dir)
@@ -159,6 +166,9 @@ class Worker:
         self.m_queue = Histogram("rankserve_worker_queue_seconds", "time waiting for the engine", LATENCY_BUCKETS, tags)
         self.m_rate = Histogram("rankserve_decode_tokens_per_second", "per-request decode speed", RATE_BUCKETS, tags)
         self.m_batch_rows = Histogram("rankserve_worker_batch_rows", "rows per decode step", BATCH_BUCKETS, tags)
+        self.m_prefix = Counter("rankserve_prefix_cache_hit_tokens", "prompt tokens whose K/V came from the prefix "
+                                "cache instead of a prefill", tag_keys=tags)
+        self._prefix_seen = 0  # the engine's prefix-cache hit tokens already counted
         self.m_waiting = Gauge("rankserve_worker_requests_waiting", "requests queued for the engine", tags)
         self.m_running = Gauge("rankserve_worker_requests_running", "requests generating (the batch's size)", tags)
         for g in (self.m_waiting, self.m_running):
@@ -352,6 +362,9 @@ class Worker:
                 for i, ev in step.items():
                     if live[i].finish is None:
                         self._token(live[i], ev)
+                if self.engine.prefix is not None and self.engine.prefix.hit_tokens > self._prefix_seen:
+                    self.m_prefix.inc(self.engine.prefix.hit_tokens - self._prefix_seen, tags=tags)
+                    self._prefix_seen = self.engine.prefix.hit_tokens
                 # continuous batching: waiting requests take the places free for the next step
                 joining = (self._take(stream.admits(len(self._pending))) if self.spec.join_running and self._pending
                            else [])

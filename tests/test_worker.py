@@ -329,3 +329,22 @@ def test_join_min_rows_is_checked_and_reaches_the_engine():
         FamilySpec(model_dir=str(MODEL), batch_wait_ms=-1)
     assert make_worker().engine.join_min == 1  # the engine's default for a static family
     assert make_worker(join_min_rows=3).engine.join_min == 3
+
+
+def test_prefill_options_reach_the_engine_and_prefix_hits_are_counted():
+    from rankserve.deployments.worker import FamilySpec
+
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        FamilySpec(model_dir=str(MODEL), prefill_chunk=-1)
+    with pytest.raises(ValueError, match="prefix_cache_gb"):
+        FamilySpec(model_dir=str(MODEL), prefix_cache_gb=-1)
+    assert make_worker(prefix_cache_gb=0).engine.prefix is None
+    w = make_worker(prefill_chunk=64, prefix_cache_gb=0.01)
+    assert w.engine.prefill_chunk == 64 and w.engine.prefix.max_bytes == int(0.01 * 2**30)
+    story = "Once upon a time there was a little girl named Lily. She loved to play outside. " * 3
+    first = asyncio.run(w.generate(story + "She", greedy(4), cached=False, subset=None))
+    assert first["completion_tokens"] == 4 and w._prefix_seen == 0
+    again = asyncio.run(w.generate(story + "He", greedy(4), cached=False, subset=None))
+    assert w._prefix_seen == w.engine.prefix.hit_tokens >= 64  # what the counter was given
+    plain = Engine.load(MODEL, prefix_cache_bytes=0)
+    assert again["text"] == plain.generate(story + "He", SamplingParams(max_new_tokens=4)).text
