@@ -3,8 +3,9 @@ compressions of both): the fast decode path (per-kernel or one-launch) at B = 1 
 logprobs against a teacher-forced forward, the cost of asking for logprobs, the worker's batches
 (`Engine.stream_batch`: rows against each alone, 8 requests batched against one by one), continuous batching (rows
 joining a running batch against each alone, PARSE rows too; a queue of mixed lengths, static batches against
-joining), chunked prefill (the fill graph against eager chunks, a long prompt joining by chunks against it alone)
-and echo scoring (`Engine.prompt_logprobs` against the logprobs generation reported).
+joining), chunked prefill (the fill graph against eager chunks, a long prompt joining by chunks against it alone),
+the prefix cache (prompts sharing a start against an engine without it) and echo scoring
+(`Engine.prompt_logprobs` against the logprobs generation reported).
 
 CI runs the kernels under TRITON_INTERPRET=1, where tl.dot takes any shape and there is no L2 prefetch: this check
 is what found head_dim 8 failing to compile on the H200 (kernels/decode_attention.py, workers/fast_decode.py).
@@ -237,6 +238,28 @@ def check_chunked(model_dir: Path, prompts: list[str], chunk: int = 64, device: 
                 chunks_argmax_equal_whole=int(a.argmax()) == int(whole.argmax()), **joined)
 
 
+@torch.inference_mode()
+def check_prefix(model_dir: Path, prompts: list[str], dtype: torch.dtype | None = None,
+                 device: str = "cuda") -> dict:
+    """Prefix cache on the GPU: prompts sharing a long start, after one that filled the cache, against an engine
+    without it (first greedy mismatch of 24 tokens; `dtype` None: bf16), alone and joining a running batch."""
+    eng, plain = (Engine.load(model_dir, device=device, dtype=dtype, prefix_cache_bytes=b) for b in (None, 0))
+    shared = " ".join(prompts * 30)
+    tails = [" and then", " but the", " so it was", " in the end"]
+    sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    want = [plain.generate(shared + t, sp).token_ids for t in tails]
+    eng.generate(shared, sp)  # fills the cache
+    alone = [eng.generate(shared + t, sp).token_ids for t in tails[:2]]
+    stream = eng.stream_batch([prompts[0]], [SamplingParams(max_new_tokens=40, ignore_eos=True)])
+    joined = run_joins(stream, {1: (shared + tails[2], sp), 2: (shared + tails[3], sp)},
+                       [plain.generate(prompts[0], SamplingParams(max_new_tokens=40, ignore_eos=True)).token_ids]
+                       + want[2:])
+    return dict(prompt_tokens=len(eng.encode_prompt(shared + tails[0])), hit_tokens=eng.prefix.hit_tokens,
+                first_mismatch_alone=[next((i for i, (x, y) in enumerate(zip(a, w)) if x != y), None)
+                                      for a, w in zip(alone, want)],
+                first_mismatch_joined=joined["first_mismatch_vs_alone"], rows_tokens=joined["rows_tokens"])
+
+
 def check_prompt_logprobs(gpu: Engine, prompt: str) -> dict:
     """echo scoring on the GPU: prompt + a generated completion, scored in one forward, against the logprobs the
     generation reported (bf16: the eager forward and the fast decode path round differently)."""
@@ -253,7 +276,8 @@ def check_prompt_logprobs(gpu: Engine, prompt: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON file to write")
-    p.add_argument("--only-chunked", action="store_true", help="only the chunked-prefill checks (check_chunked)")
+    p.add_argument("--only-chunked", action="store_true",
+                   help="only the chunked-prefill and prefix-cache checks (check_chunked, check_prefix)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("error: this check needs a CUDA GPU")
@@ -270,9 +294,11 @@ def main(argv: list[str] | None = None) -> int:
                 out[name] = check(d, prompts)
                 print(name, json.dumps(out[name]), flush=True)
             if name.startswith("reference"):
-                for dt, tag in ((None, "-chunked"), (torch.float32, "-chunked-fp32")):
-                    out[name + tag] = check_chunked(d, prompts, dtype=dt)
-                    print(name + tag, json.dumps(out[name + tag]), flush=True)
+                for dt, tag in ((None, ""), (torch.float32, "-fp32")):
+                    out[name + "-chunked" + tag] = check_chunked(d, prompts, dtype=dt)
+                    out[name + "-prefix" + tag] = check_prefix(d, prompts, dtype=dt)
+                    for what in ("-chunked", "-prefix"):
+                        print(name + what + tag, json.dumps(out[name + what + tag]), flush=True)
         if a.only_chunked:
             Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
             return 0
