@@ -41,8 +41,10 @@ def prompts(eng: Engine, rows: int, joins: int, long_tokens: int) -> tuple[list[
     return short, long
 
 
-def one_pass(eng: Engine, short: list[str], long: list[str], a: argparse.Namespace) -> dict[str, Any]:
-    """One run of the scenario: -> per-request tokens, the short rows' gaps between tokens, the long ones' TTFT."""
+def one_pass(eng: Engine, short: list[str], long: list[str], a: argparse.Namespace,
+             subsets: list[dict] | None = None) -> dict[str, Any]:
+    """One run of the scenario: -> per-request tokens, the short rows' gaps between tokens, the long ones' TTFT.
+    `subsets`: PARSE, one per request (short ones first)."""
     gen, long_gen = SamplingParams(max_new_tokens=a.gen, ignore_eos=True), SamplingParams(max_new_tokens=a.long_gen,
                                                                                           ignore_eos=True)
     stream = eng.stream_batch([], [])
@@ -54,14 +56,15 @@ def one_pass(eng: Engine, short: list[str], long: list[str], a: argparse.Namespa
     ttft: list[float] = []
     sync()
     t0 = time.perf_counter()
+    sub = subsets or [None] * (len(short) + len(long))
     for k, p in enumerate(short):
-        which[stream.add(p, gen)] = k
+        which[stream.add(p, gen, sub[k], checked=True)] = k
     step = 0
     while True:
         j, due = divmod(step, a.every)
         if due == 0 and 1 <= j <= len(long):
             k = len(short) + j - 1
-            which[stream.add(long[j - 1], long_gen)] = k
+            which[stream.add(long[j - 1], long_gen, sub[k], checked=True)] = k
             added[k] = time.perf_counter()
         try:
             events = next(stream)
@@ -169,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=int, default=32)
     p.add_argument("--long-gen", type=int, default=16, help="tokens each long request generates")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--parse", action="store_true",
+                   help="GPU: a PARSE pool with random routers, each request its own subset (any 8: union ~1.05 K); "
+                   "its chunks run eagerly")
     a = p.parse_args(argv)
     if 0 not in a.chunks:
         p.error("--chunks must include 0 (whole prompts): the baseline every other row is compared with")
@@ -176,27 +182,35 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     if a.model_dir is None and not cuda:
         p.error("the 7B shape needs a CUDA GPU; give --model-dir for a CPU run")
-    eng = Engine.load(a.model_dir, device="cuda" if cuda else "cpu") if a.model_dir else random_7b()
+    eng = Engine.load(a.model_dir, device="cuda" if cuda else "cpu") if a.model_dir else random_7b(parse=a.parse)
+    eng.prefix = None  # the passes repeat the same prompts: measure chunking, not prefix-cache hits
     if a.rows + 1 > eng.max_batch_size:
         p.error(f"--rows leaves no place for a long prompt (max_batch_size {eng.max_batch_size})")
     short, long = prompts(eng, a.rows, a.joins, a.long_tokens)
+    subsets = None
+    if eng.routers is not None:
+        from rankserve.bench.parse_speed import overlapping_subsets
+
+        subsets = overlapping_subsets(eng.routers, a.rows + a.joins, 1 + 0.05 * (a.rows + a.joins - 1) / 7, 0)
     n_short = [len(eng.encode_prompt(s)) for s in short]
     n_long = [len(eng.encode_prompt(s, room=a.long_gen)) for s in long]  # refused here if past the context
     res: dict[str, Any] = dict(device=torch.cuda.get_device_name() if cuda else "CPU", torch=torch.__version__,
                                model=a.model_dir or "random weights, LLaMA-7B shape, svd-llm ranks at keep 0.6, bf16, "
-                               "vocabulary 12,288, context 2,048", args=vars(a),
+                               "vocabulary 12,288, context 2,048" + ("; a PARSE pool of 2 K components a matrix, random "
+                               "routers, each request its own subset (union ~1.05 K)" if a.parse else ""), args=vars(a),
                                short_tokens=round(statistics.mean(n_short)), long_tokens=round(statistics.mean(n_long)),
                                max_batch_size=eng.max_batch_size,
                                command=" ".join(["python -m rankserve.bench.chunked_prefill", *argv]), runs={})
     for c in a.chunks:
         eng.prefill_chunk = c
-        one_pass(eng, short, long, a)  # warm-up: decoders, prefill and chunk graphs
-        r = summary([one_pass(eng, short, long, a) for _ in range(a.repeats)])
+        one_pass(eng, short, long, a, subsets)  # warm-up: decoders, prefill and chunk graphs
+        r = summary([one_pass(eng, short, long, a, subsets) for _ in range(a.repeats)])
         base = res["runs"].get("0", r)["tokens"]
         r["equal"] = sum(x == y for x, y in zip(r["tokens"], base))
         res["runs"][str(c)] = r
         print(c, json.dumps({k: v for k, v in r.items() if k != "tokens"}), flush=True)
-    res["chunk_costs"] = chunk_costs(eng, [c for c in a.chunks if c] + ([a.long_tokens] if cuda else []))
+    res["chunk_costs"] = chunk_costs(eng, [c for c in a.chunks if c] + ([a.long_tokens] if cuda else [])) \
+        if eng.routers is None else []
     out = Path(a.out)
     for path, text in ((out, json.dumps(res, indent=1) + "\n"), (out.with_suffix(".md"), markdown(res))):
         tmp = path.with_name(f".{path.name}.tmp")

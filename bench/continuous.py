@@ -306,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     model = a.model_dir or ("random weights, LLaMA-7B shape, svd-llm ranks at keep 0.6, bf16, vocabulary 12,288" +
                             ("; a PARSE pool of 2 K components a matrix, random routers, each request its own "
                              "subset (any 8 share all but ~5 % of K: union ~1.05 K)" if a.parse else ""))
+    eng.prefix = None  # the passes repeat the same queue: measure batching, not prefix-cache hits
     queue = make_queue(eng, a.requests, a.longest, a.prompt_tokens)
     res: dict[str, Any] = dict(device=torch.cuda.get_device_name() if cuda else "CPU", torch=torch.__version__,
                                model=model, args=vars(a), tokens=sum(sp.max_new_tokens for _, sp, _ in queue),

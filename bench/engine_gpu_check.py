@@ -216,7 +216,7 @@ def check_chunked(model_dir: Path, prompts: list[str], chunk: int = 64, device: 
     batch a chunk a step against each request alone (first greedy mismatch; `dtype` None: bf16)."""
     from rankserve.workers.prefill_graph import ChunkedPrefill
 
-    gpu = Engine.load(model_dir, device=device, dtype=dtype, prefill_chunk=chunk)
+    gpu = Engine.load(model_dir, device=device, dtype=dtype, prefill_chunk=chunk, prefix_cache_bytes=0)  # chunks only
     long = " ".join(prompts * 80)
     ids = gpu.tokenizer.encode(long, bos=True)[: gpu.max_seq_len - 96]
     graphed = ChunkedPrefill(gpu.model, gpu.max_seq_len, graph=device == "cuda")
