@@ -150,6 +150,8 @@ def markdown(res: dict[str, Any]) -> str:
         lines.append(f"| {c or 'whole prompt'} | {r['gap_p50_ms']} / {r['gap_p99_ms']} / {r['gap_max_ms']} | "
                      f"{r['ttft_long_median_ms']} | {r['wall_s']} | {r['tokens_per_s']} | {r['steps']} | "
                      f"{r['equal']} of {len(r['tokens'])} |")
+    if not res["chunk_costs"]:  # PARSE: its chunks run eagerly, not timed alone
+        return "\n".join(lines) + "\n"
     lines += ["", "One chunk alone (ms, median of 5, device-synced): at position 0 and after half the context, against the "
               "one-row prefill of a whole prompt of that length (workers/prefill_graph.py):", "",
               "| tokens | chunk at 0 | chunk at half the context | whole prompt |", "| --- | --- | --- | --- |"]

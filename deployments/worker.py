@@ -60,8 +60,9 @@ class FamilySpec:
     # batches, each decoded to its end while new requests wait (measured against: worker-batching-cpu-continuous.md)
     join_min_rows: int | None = None  # free places a running batch needs before waiting requests join; None: the
     # engine's default (1; a PARSE family on the GPU: max_batch_size // 2, measured in continuous-h200-parse.md)
-    prefill_chunk: int = 512  # a longer prompt joins a decoding batch this many tokens a step, so the running rows
-    # keep making tokens while it fills (0: whole prompts; measured in bench/results/chunked-prefill-h200.md)
+    prefill_chunk: int | None = None  # a longer prompt joins a decoding batch this many tokens a step, so the running
+    # rows keep making tokens while it fills (0: whole prompts). None: the engine's default, 512 (a PARSE family on
+    # the GPU: 0). Measured in bench/results/chunked-prefill-h200.md, chunked-prefill-h200-parse.md
     prefix_cache_gb: float | None = None  # earlier prompts' K/V kept so a prompt that starts alike (a chat's system
     # prompt and history) prefills only the rest (workers/prefix_cache.py; static models). None: the engine's default
     # (5 % of the GPU's memory, 256 MB on the CPU); 0: off
@@ -80,7 +81,7 @@ class FamilySpec:
             raise ValueError(f"batch_wait_ms must be >= 0: {self}")
         if self.join_min_rows is not None and not 1 <= self.join_min_rows <= self.max_batch_size:
             raise ValueError(f"join_min_rows must be in 1..max_batch_size: {self}")
-        if self.prefill_chunk < 0:
+        if self.prefill_chunk is not None and self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0: whole prompts): {self}")
         if self.prefix_cache_gb is not None and self.prefix_cache_gb < 0:
             raise ValueError(f"prefix_cache_gb must be >= 0 (0: off): {self}")

@@ -203,13 +203,17 @@ class Engine:
                  # recently used go first. None: 40 % of the GPU's memory (unbounded on the CPU)
                  decoder_memory_bytes: int | None = None,
                  # a prompt longer than this joins a batch whose rows are decoding this many tokens a step (they take
-                 # a step between its chunks instead of waiting for the whole prompt); 0: whole prompts
-                 prefill_chunk: int = 512,
+                 # a step between its chunks instead of waiting for the whole prompt); 0: whole prompts. None: 512,
+                 # but 0 for PARSE on the GPU, whose joins reload the rank slots and whose chunks run eagerly: there
+                 # chunks left the worst stall as it was and cost 30 % of the tokens/s (chunked-prefill-h200-parse.md)
+                 prefill_chunk: int | None = None,
                  # bytes of earlier prompts' K/V kept for prompts that start alike (workers/prefix_cache.py; static
                  # models): None: 5 % of the GPU's memory, 256 MB on the CPU; 0: off
                  prefix_cache_bytes: int | None = None) -> None:
         if parse_pull < 0:
             raise ValueError(f"parse_pull must be >= 0, got {parse_pull}")
+        if prefill_chunk is None:
+            prefill_chunk = 0 if routers is not None and model.embed.weight.device.type == "cuda" else 512
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0: whole prompts), got {prefill_chunk}")
         self.model, self.tokenizer, self.manifest = model, tokenizer, manifest
@@ -248,7 +252,7 @@ class Engine:
     def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
              max_batch_size: int = 8, max_seq_len: int | None = None, fast_path: str = "auto",
              reroute_every: int = 0, parse_pull: float = 0.2, decoder_memory_bytes: int | None = None,
-             prefill_chunk: int = 512, prefix_cache_bytes: int | None = None) -> "Engine":
+             prefill_chunk: int | None = None, prefix_cache_bytes: int | None = None) -> "Engine":
         if dtype is None:
             dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
         model, manifest = load_checkpoint(model_dir, device=device, dtype=dtype)
