@@ -105,8 +105,9 @@ class ChunkedPrefill:
     The chunks go into a one-row cache of its own (`fill`, the whole context), each attending to the ones before
     (flash attention over exactly the positions filled: `Transformer.forward(at=...)`); `place` then copies the
     finished prompt's K/V into its row of the batch's cache. One prompt fills at a time. With `graph` (a static model
-    on CUDA) a chunk replays a CUDA graph, one per (chunk size, start): at most context / chunk of them a size, on
-    one shared memory pool; otherwise, and whenever `run` is given another model (PARSE slots, masks narrowed to the
+    on CUDA) a chunk replays a CUDA graph, one per (chunk size, start) in use (starts are multiples of the chunk
+    size, or of the prefix cache's 64-token blocks after a hit), captured on first use, on one shared memory pool;
+    otherwise, and whenever `run` is given another model (PARSE slots, masks narrowed to the
     row by the caller), it runs eagerly.
 
         chunks = ChunkedPrefill(model, max_len=4096)
