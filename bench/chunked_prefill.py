@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -25,7 +24,7 @@ from typing import Any
 
 import torch
 
-from rankserve.bench.continuous import TEXT, random_7b, sync
+from rankserve.bench.continuous import TEXT, random_7b, sync, write_results
 from rankserve.workers.engine import Engine
 from rankserve.workers.sampler import SamplingParams
 
@@ -213,11 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         print(c, json.dumps({k: v for k, v in r.items() if k != "tokens"}), flush=True)
     res["chunk_costs"] = chunk_costs(eng, [c for c in a.chunks if c] + ([a.long_tokens] if cuda else [])) \
         if eng.routers is None else []
-    out = Path(a.out)
-    for path, text in ((out, json.dumps(res, indent=1) + "\n"), (out.with_suffix(".md"), markdown(res))):
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+    write_results(Path(a.out), res, markdown(res))
     print(markdown(res))
     return 0
 

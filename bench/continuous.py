@@ -44,6 +44,15 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def write_results(out: Path, res: dict[str, Any], md: str) -> None:
+    """The results as JSON at `out` and their markdown beside it (.md), each written to a temporary name and renamed:
+    a run killed mid-write leaves the previous files whole."""
+    for path, text in ((out, json.dumps(res, indent=1) + "\n"), (out.with_suffix(".md"), md)):
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+
 def random_7b(keep: float = 0.6, parse: bool = False) -> Engine:
     """Random svd-llm-shaped factors at the LLaMA-7B shape on the GPU, with the reference model's tokenizer.
     `parse`: a PARSE pool of 2 K components a matrix with random routers instead (K: the static rank at `keep`),
@@ -329,11 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     res["rows_equal"] = sum(x == y for x, y in zip(ids["static"], ids[best]))
     res["prefill"] = prefill_latency(eng, a.prefill_lengths)
     res["first_step"] = first_step(eng, tokens=a.first_step_tokens) if a.first_step_tokens else None
-    out = Path(a.out)
-    for path, text in ((out, json.dumps(res, indent=1) + "\n"), (out.with_suffix(".md"), markdown(res))):
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+    write_results(Path(a.out), res, markdown(res))
     print(markdown(res))
     return 0
 

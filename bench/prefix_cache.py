@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -25,7 +24,7 @@ from typing import Any
 
 import torch
 
-from rankserve.bench.continuous import TEXT, random_7b, sync
+from rankserve.bench.continuous import TEXT, random_7b, sync, write_results
 from rankserve.workers.engine import Engine
 from rankserve.workers.prefix_cache import PrefixCache
 from rankserve.workers.sampler import SamplingParams
@@ -124,11 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                          hit_tokens=hit, tokens=tokens)
         res[mode]["equal"] = sum(x == y for x, y in zip(tokens, res["off"]["tokens"]))
         print(mode, json.dumps({k: v for k, v in res[mode].items() if k != "tokens"}), flush=True)
-    out = Path(a.out)
-    for path, text in ((out, json.dumps(res, indent=1) + "\n"), (out.with_suffix(".md"), markdown(res))):
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+    write_results(Path(a.out), res, markdown(res))
     print(markdown(res))
     return 0
 
