@@ -18,12 +18,36 @@ and each captured bucket keeps its activations' pool; neither counts against the
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from rankserve.workers.kv_cache import KVCache
 from rankserve.workers.model import Transformer
 
 MIN_BUCKET = 16  # shortest padded prompt: below it a graph saves nothing worth its memory
+
+
+def _capture(fn: Callable[[], torch.Tensor], dev: torch.device, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`fn` run twice on a side stream (cuBLAS handles and workspaces, lazy inits), then captured; -> the graph and
+    its output. The warm-up runs write what the replays will write."""
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        out = fn()  # captured, not run: the replay that follows runs it
+    return g, out
+
+
+def _place(src: KVCache, cache: KVCache, slot: int, n: int) -> None:
+    """Row 0's first n positions of the one-row cache `src` into row `slot` of `cache`, its position set to n."""
+    cache._k[:, slot, :n].copy_(src._k[:, 0, :n])  # (layers, n, H_kv, D)
+    cache._v[:, slot, :n].copy_(src._v[:, 0, :n])
+    cache.seqlens[slot:slot + 1].fill_(n)  # a fill kernel: `seqlens[slot] = n` copies from the host and syncs
 
 
 class PrefillGraphs:
@@ -69,9 +93,7 @@ class PrefillGraphs:
             g.replay()
         else:
             logits = self._forward(tokens, length)
-        cache._k[:, slot, :n].copy_(self.stage._k[:, 0, :n])  # (layers, n, H_kv, D)
-        cache._v[:, slot, :n].copy_(self.stage._v[:, 0, :n])
-        cache.seqlens[slot] = n
+        _place(self.stage, cache, slot, n)
         return logits[0].clone()
 
     def _forward(self, tokens: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
@@ -85,15 +107,7 @@ class PrefillGraphs:
         if not self.graph:
             self._graphs[L] = (None, tokens, length, None)
             return
-        side = torch.cuda.Stream(dev)  # warm-up off the capture: cuBLAS handles and workspaces, lazy inits
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._forward(tokens, length)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            logits = self._forward(tokens, length)
+        g, logits = _capture(lambda: self._forward(tokens, length), dev)
         self._graphs[L] = (g, tokens, length, logits)
 
 
@@ -156,31 +170,16 @@ class ChunkedPrefill:
             logits = self._forward(model or self.model, tokens, length, start)
         else:
             if g is None:
-                g, logits = self._capture(tokens, length, start)
+                g, logits = _capture(lambda: self._forward(self.model, tokens, length, start),
+                                     self.model.embed.weight.device, self._pool)
                 self._graphs[key] = (g, tokens, length, logits)
             g.replay()
         return logits[0].clone()
 
     def place(self, cache: KVCache, slot: int, n: int) -> None:
         """The filled prompt's n positions into row `slot` of `cache`, its position set to n."""
-        cache._k[:, slot, :n].copy_(self.fill._k[:, 0, :n])  # (layers, n, H_kv, D)
-        cache._v[:, slot, :n].copy_(self.fill._v[:, 0, :n])
-        cache.seqlens[slot:slot + 1].fill_(n)  # a fill kernel: `seqlens[slot] = n` copies from the host and syncs
+        _place(self.fill, cache, slot, n)
 
     def _forward(self, model: Transformer, tokens: torch.Tensor, length: torch.Tensor, start: int) -> torch.Tensor:
         self.fill.seqlens.fill_(start)
         return model(tokens, self.fill, length, last_only=True, at=start)  # (1, V)
-
-    def _capture(self, tokens: torch.Tensor, length: torch.Tensor, start: int) -> tuple[torch.cuda.CUDAGraph,
-                                                                                       torch.Tensor]:
-        dev = self.model.embed.weight.device
-        side = torch.cuda.Stream(dev)  # warm-up off the capture, as PrefillGraphs does: it writes the very K/V the
-        side.wait_stream(torch.cuda.current_stream(dev))  # replay will
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._forward(self.model, tokens, length, start)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self._pool):
-            logits = self._forward(self.model, tokens, length, start)  # captured, not run: the replay runs it
-        return g, logits
