@@ -98,6 +98,32 @@ def test_reload_changes_the_subset_without_rebuilding():
     assert slots.last_changed == len(routers.k)
 
 
+def test_a_row_joining_leaves_the_slots_as_a_fresh_load(monkeypatch):
+    """A batch whose row changes (a join) holds what a fresh slots object loaded with that batch holds: factors,
+    keep bits, live widths; the subsets that stayed are not converted again."""
+    import rankserve.workers.parse_decode as pd
+
+    pool, routers = _pool()
+    dcfg = DecodeConfig(batch_size=3, max_seq_len=16, backend="torch", graph="none")
+    subs = [_subset(routers, s) for s in range(4)]
+    calls = []
+    real = pd.subset_ids
+    monkeypatch.setattr(pd, "subset_ids", lambda s, r: calls.append(s) or real(s, r))
+    slots = ParseSlots(pool, routers, dcfg)
+    with torch.no_grad():
+        slots.load(subs[:3])
+        assert len(calls) == 3
+        slots.load([subs[0], subs[3], subs[2]])  # row 1 left, another joined in its slot
+        assert calls[3:] == [subs[3]]
+        fresh = ParseSlots(pool, routers, dcfg)
+        fresh.load([subs[0], subs[3], subs[2]])
+    assert torch.equal(slots.keep_all, fresh.keep_all)
+    assert torch.equal(slots.live, fresh.live)
+    for n, lin in fresh.model.projections().items():
+        assert torch.equal(slots.model.projections()[n].U, lin.U)
+        assert torch.equal(slots.model.projections()[n].V, lin.V)
+
+
 def test_load_rejects_a_wrong_batch():
     pool, routers = _pool()
     slots = ParseSlots(pool, routers, DecodeConfig(batch_size=2, max_seq_len=16, backend="torch", graph="none"))

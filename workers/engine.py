@@ -864,13 +864,13 @@ class BatchStream:
 @contextlib.contextmanager
 def _mask_rows(model: Transformer, a: int, b: int) -> Iterator[None]:
     """PARSE masks (B, r) narrowed to rows a..b-1, for a prefill of those rows alone."""
-    saved = {n: lin.mask for n, lin in model.projections().items() if lin.factorized and lin.mask is not None}
+    lins = model.projections()  # one walk of the modules (224 at the 7B shape), not one per projection
+    saved = {n: lin.mask for n, lin in lins.items() if lin.factorized and lin.mask is not None}
     try:
         for n, m in saved.items():
-            model.projections()[n].mask = m[a:b]
+            lins[n].mask = m[a:b]
         yield
     finally:
-        lins = model.projections()
         for n, m in saved.items():
             lins[n].mask = m
 

@@ -35,7 +35,7 @@ from rankserve.workers.align import padded
 from rankserve.workers.fast_decode import DecodeConfig, FastDecoder, _Layer
 from rankserve.workers.model import ATTN_PROJS, PROJS, Transformer, proj_name
 from rankserve.workers.parse import Routers
-from rankserve.workers.parse_batching import bases, membership
+from rankserve.workers.parse_batching import bases, membership, subset_ids
 
 
 LIVE_ALIGN = 16  # the kernels read live widths in groups of 16 components (kernels/lowrank_linear.py gemv)
@@ -90,8 +90,8 @@ class ParseSlots:
         self._gbase = base[:-1]
         self._mat_of_gid = np.repeat(np.arange(len(self.names)), base[1:] - base[:-1])  # (G,)
         self._sbase = np.concatenate([[0], np.cumsum(self._W)[:-1]])  # slot offset of each matrix in (sum W,)
-        self._idx: np.ndarray | None = None  # what the slots hold: (sum W,) pool indices and (B, sum W) keep
-        self._keep: np.ndarray | None = None
+        self._idx: np.ndarray | None = None  # what the slots hold: (sum W,) pool indices
+        self._ids: dict[int, tuple[dict, np.ndarray]] = {}  # id(subset) -> (subset, subset_ids): the batch's rows
         # B > 1: one (B, cols) keep buffer on the device for every layer's packed groups (the kernels take a row
         # stride), so a load is one copy; unrouted members of a group keep every component (ones)
         self.keep: dict[str, torch.Tensor] = {}  # proj name -> (B, W) view
@@ -109,7 +109,6 @@ class ParseSlots:
                         spans.append((i, attr, names, col))
                         col += sum(l.rank for l in lins)
             self.keep_all = torch.ones(B, col, device=dev, dtype=dt)  # (B, cols)
-            self._keep_host = torch.ones(B, col, dtype=torch.float32)
             slot_col = np.zeros(int(self._W.sum()), dtype=np.int64)  # slot position -> keep column
             for i, attr, names, c0 in spans:
                 L = self.layers[i]
@@ -125,26 +124,41 @@ class ParseSlots:
                         slot_col[self._sbase[m]:self._sbase[m] + r] = np.arange(c0, c0 + r)
                     c0 += r
             self._slot_col = slot_col
+            self._routed_cols = torch.from_numpy(slot_col).to(dev)  # every routed slot's keep column
         # B = 1: no masks or live widths (the slot is the subset), so the one-launch step can run it (fixed buffers,
         # refilled in place); B > 1 is always the per-kernel step
         self.decoder = FastDecoder(self.model, dcfg, packed=self.layers)
         self._plins, self._slins = pool.projections(), self.model.projections()
         self.last_changed = 0  # matrices the last load() gathered (0: the slots already held the batch's subsets)
 
+    def _subset_ids(self, rows: list[dict]) -> list[np.ndarray]:
+        """Each row's subset_ids(), converted (and checked) once per subset object: a row that stays in the batch
+        costs nothing at the next load, a joining one ~8 ms at the 7B shape (its Python lists)."""
+        out, kept = [], {}
+        for s in rows:
+            hit = self._ids.get(id(s))
+            if hit is None or hit[0] is not s:
+                hit = (s, subset_ids(s, self.routers))
+            kept[id(s)] = hit  # holds s, so its id is not reused while cached
+            out.append(hit[1])
+        self._ids = kept
+        return out
+
     @torch.no_grad()
     def load(self, subsets: list[dict]) -> dict[str, int]:
         """Gather the batch's subsets (validated, one per row) into the slots; -> union size per projection.
 
         Rows beyond len(subsets) (a partly filled batch) reuse the last subset. No recapture: the decoder's
-        graphs keep reading the same buffers. The index work is vectorized over all matrices on the host and
-        travels in one copy; matrices whose gathered components are already in the slot (a repeated prompt, a
-        cache hit on the same subset) are not gathered again.
+        graphs keep reading the same buffers. The host work is vectorized over all matrices, each subset's lists
+        are converted once while it stays in the batch, and the index plan and keep bits travel in one copy each;
+        matrices whose slot already holds the union's components in place (a repeated prompt, a cache hit on
+        the same subset) are not gathered again. The keep masks are written on the device.
         """
         if not 1 <= len(subsets) <= self.B:
             raise ValueError(f"expected 1..{self.B} subsets, got {len(subsets)}")
         rows = list(subsets) + [subsets[-1]] * (self.B - len(subsets))
         dev = self.pool.embed.weight.device
-        member = membership(rows, self.routers)  # (B, G), lengths and ranges checked
+        member = membership(rows, self.routers, self._subset_ids(rows))  # (B, G)
         ugid = np.flatnonzero(member.any(0))  # the union, sorted (matrix by matrix, then component)
         umat = self._mat_of_gid[ugid]
         size = np.bincount(umat, minlength=len(self.names))  # (M,)
@@ -159,14 +173,9 @@ class ParseSlots:
         local = ugid - self._gbase[umat]
         idx = np.repeat(local[ustart], self._W)  # padding repeats the matrix's first component, masked out
         idx[pos] = local
-        keep = np.zeros((self.B, len(idx)), dtype=np.float32)
-        keep[:, pos] = member[:, ugid]
-        if self._idx is None:
-            changed = np.ones(len(self.names), dtype=bool)
-        else:
-            diff = (idx != self._idx) | (keep != self._keep).any(0)
-            changed = np.logical_or.reduceat(diff, self._sbase)
-        self._idx, self._keep = idx, keep
+        changed = (np.ones(len(self.names), dtype=bool) if self._idx is None
+                   else np.logical_or.reduceat(idx != self._idx, self._sbase))
+        self._idx = idx
         sizes = {n: int(c) for n, c in zip(self.names, size)}
         if changed.any():
             idx_dev = torch.from_numpy(idx).to(dev, non_blocking=True)
@@ -178,12 +187,14 @@ class ParseSlots:
                 if not self.masked and sizes[n] < W:  # alignment padding: zero components
                     dst.V.data[sizes[n]:] = 0
                     dst.U.data[:, sizes[n]:] = 0
-            if self.masked:
-                self._keep_host[:, self._slot_col] = torch.from_numpy(keep)
-                self.keep_all.copy_(self._keep_host)
             for i in sorted({self._where[self.names[m]][0] for m in np.flatnonzero(changed)}):
                 self.layers[i].refresh()  # re-pack only the layers whose factors changed
-        if self.masked:  # live widths: the union rounded up to LIVE_ALIGN, as the kernels read (padding masked out)
+        if self.masked:  # keep bits: every routed column off, then each row's union components on
+            cols = torch.from_numpy(self._slot_col[pos]).to(dev, non_blocking=True)  # (|U|,)
+            bits = torch.from_numpy(member[:, ugid]).to(dev, non_blocking=True)  # (B, |U|) bool
+            self.keep_all.index_fill_(1, self._routed_cols, 0)
+            self.keep_all.index_copy_(1, cols, bits.to(self.keep_all.dtype))
+            # live widths: the union rounded up to LIVE_ALIGN, as the kernels read (padding masked out)
             for n, sz in sizes.items():
                 self.live[self._where[n]] = min(padded(sz, LIVE_ALIGN), self.widths[n])
             self.live_dev.copy_(self.live)
