@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from rankserve.workers.align import GPU_ALIGN, pad_ranks
 from rankserve.workers.checkpoint import Manifest, load_checkpoint
 from rankserve.workers.fast_decode import DecodeConfig, FastDecoder
+from rankserve.workers.host import upload
 from rankserve.workers.kv_cache import KVCache
 from rankserve.workers.model import Transformer
 from rankserve.workers.parse import Routers, apply, clear, load_parse, route_scores, select, validate
@@ -529,6 +530,7 @@ class _Batch:
         self.moves = 0  # layout changes after the first (tests, benchmarks)
         self.prefills = 0  # prompts run (a twin's copied cache not counted)
         self.chunks = 0  # chunks of long prompts run (tests, benchmarks)
+        self.picking: list[_Row] = []  # rows whose greedy pick of the last decode step is still on the device
 
     def add(self, row: _Row, subset: dict | None) -> None:
         """Queue `row` (its subset validated) to join at the next step."""
@@ -583,6 +585,7 @@ class _Batch:
             self._prefill(whole)
         self.filling += long
         ready += self._fill(busy=bool(running or ready))
+        self._read_picks()
         out = []
         for r in sorted(running + whole + ready, key=lambda r: r.slot):
             if r.pick is not None and r.params.temperature == 0:
@@ -675,24 +678,31 @@ class _Batch:
         nxt = torch.zeros(B, dtype=torch.long)
         for r in running:
             nxt[r.slot] = r.fed
-        nxt = nxt.to(e.device)
+        nxt = upload(nxt, e.device)
         if self.dec is not None:
             idle = [s for s, r in enumerate(self.slots) if r is None and self.lens[s] >= self.S - 1]
             self._reset(idle)  # every slot steps: keep the idle ones inside the cache
             logits = self.dec.step(nxt)  # (B, V) a static buffer: read before the next step
             self.lens = [l + 1 for l in self.lens]
-            picks = self.dec.tokens.tolist() if self.dec.dcfg.greedy and any(
-                r.params.temperature == 0 for r in running) else None
+            if self.dec.dcfg.greedy and any(r.params.temperature == 0 for r in running):
+                self.picking = running  # read after the step's prompts are queued too (_read_picks)
         else:
             active = torch.zeros(B, dtype=torch.int32)
             active[[r.slot for r in running]] = 1
-            logits = e.model(nxt[:, None], self.cache, active.to(e.device), last_only=True)  # others: untouched
+            logits = e.model(nxt[:, None], self.cache, upload(active, e.device), last_only=True)  # others: untouched
             for r in running:
                 self.lens[r.slot] += 1
-            picks = None
         for r in running:
             r.logits = logits[r.slot]
-            r.pick = picks[r.slot] if picks is not None else None
+
+    def _read_picks(self) -> None:
+        """The device's argmax of the last decode step for the rows that took it. The read waits for the device,
+        so it comes after the step's prompts were queued behind the decode step (the device never idles between)."""
+        if self.picking:
+            picks = self.dec.tokens.tolist()
+            for r in self.picking:
+                r.pick = picks[r.slot]
+            self.picking = []
 
     def _prefill(self, joining: list[_Row]) -> None:
         """The joining rows' prompts into their slots. A row with the same prompt (and PARSE subset) as one before
@@ -799,8 +809,8 @@ class _Batch:
             view = cache.rows(a, b)
             view.seqlens.zero_()
             with _mask_rows(model, a, b):
-                logits = model(tokens.to(e.device), view, torch.tensor(lens, dtype=torch.int32, device=e.device),
-                               last_only=True)  # (b - a, V)
+                logits = model(upload(tokens, e.device), view,
+                               upload(torch.tensor(lens, dtype=torch.int32), e.device), last_only=True)  # (b - a, V)
             for i, r in enumerate(run):
                 r.logits = logits[i]
                 self.lens[r.slot] = lens[i]

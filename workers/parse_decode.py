@@ -33,6 +33,7 @@ from torch import nn
 
 from rankserve.workers.align import padded
 from rankserve.workers.fast_decode import DecodeConfig, FastDecoder, _Layer
+from rankserve.workers.host import upload
 from rankserve.workers.model import ATTN_PROJS, PROJS, Transformer, proj_name
 from rankserve.workers.parse import Routers
 from rankserve.workers.parse_batching import bases, membership, subset_ids
@@ -177,8 +178,16 @@ class ParseSlots:
                    else np.logical_or.reduceat(idx != self._idx, self._sbase))
         self._idx = idx
         sizes = {n: int(c) for n, c in zip(self.names, size)}
+        if self.masked:  # queued before the gathers: an upload waits for nothing queued ahead of it
+            cols = upload(torch.from_numpy(self._slot_col[pos]), dev)  # (|U|,)
+            bits = upload(torch.from_numpy(member[:, ugid]), dev)  # (B, |U|) bool
+            for n, sz in sizes.items():  # live widths: the union rounded up to LIVE_ALIGN, as the kernels read
+                self.live[self._where[n]] = min(padded(sz, LIVE_ALIGN), self.widths[n])
+            self.live_dev.copy_(upload(self.live, dev))
+            self.keep_all.index_fill_(1, self._routed_cols, 0)  # every routed column off, the union's rows on
+            self.keep_all.index_copy_(1, cols, bits.to(self.keep_all.dtype))
         if changed.any():
-            idx_dev = torch.from_numpy(idx).to(dev, non_blocking=True)
+            idx_dev = upload(torch.from_numpy(idx), dev)
             for m in np.flatnonzero(changed):
                 n, W, s0 = self.names[m], int(self._W[m]), int(self._sbase[m])
                 src, dst = self._plins[n], self._slins[n]
@@ -189,15 +198,6 @@ class ParseSlots:
                     dst.U.data[:, sizes[n]:] = 0
             for i in sorted({self._where[self.names[m]][0] for m in np.flatnonzero(changed)}):
                 self.layers[i].refresh()  # re-pack only the layers whose factors changed
-        if self.masked:  # keep bits: every routed column off, then each row's union components on
-            cols = torch.from_numpy(self._slot_col[pos]).to(dev, non_blocking=True)  # (|U|,)
-            bits = torch.from_numpy(member[:, ugid]).to(dev, non_blocking=True)  # (B, |U|) bool
-            self.keep_all.index_fill_(1, self._routed_cols, 0)
-            self.keep_all.index_copy_(1, cols, bits.to(self.keep_all.dtype))
-            # live widths: the union rounded up to LIVE_ALIGN, as the kernels read (padding masked out)
-            for n, sz in sizes.items():
-                self.live[self._where[n]] = min(padded(sz, LIVE_ALIGN), self.widths[n])
-            self.live_dev.copy_(self.live)
         for n, lin in self._slins.items():  # the eager prefill masks through FactorizedLinear.mask
             if n in self.widths:
                 lin.mask = self.keep[n] if self.masked else None
