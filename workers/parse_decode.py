@@ -36,7 +36,7 @@ from rankserve.workers.fast_decode import DecodeConfig, FastDecoder, _Layer
 from rankserve.workers.host import upload
 from rankserve.workers.model import ATTN_PROJS, PROJS, Transformer, proj_name
 from rankserve.workers.parse import Routers
-from rankserve.workers.parse_batching import bases, membership, subset_ids
+from rankserve.workers.parse_batching import bases, subset_ids
 
 
 LIVE_ALIGN = 16  # the kernels read live widths in groups of 16 components (kernels/lowrank_linear.py gemv)
@@ -93,6 +93,9 @@ class ParseSlots:
         self._sbase = np.concatenate([[0], np.cumsum(self._W)[:-1]])  # slot offset of each matrix in (sum W,)
         self._idx: np.ndarray | None = None  # what the slots hold: (sum W,) pool indices
         self._ids: dict[int, tuple[dict, np.ndarray]] = {}  # id(subset) -> (subset, subset_ids): the batch's rows
+        self._member = np.zeros((self.B, int(base[-1])), dtype=bool)  # (B, G): each row's components
+        self._member_ids: list[np.ndarray | None] = [None] * self.B  # the subset_ids each row of _member holds
+        self._live_at = np.array([self._where[n][0] * len(PROJS) + self._where[n][1] for n in self.names])
         # B > 1: one (B, cols) keep buffer on the device for every layer's packed groups (the kernels take a row
         # stride), so a load is one copy; unrouted members of a group keep every component (ones)
         self.keep: dict[str, torch.Tensor] = {}  # proj name -> (B, W) view
@@ -159,7 +162,12 @@ class ParseSlots:
             raise ValueError(f"expected 1..{self.B} subsets, got {len(subsets)}")
         rows = list(subsets) + [subsets[-1]] * (self.B - len(subsets))
         dev = self.pool.embed.weight.device
-        member = membership(rows, self.routers, self._subset_ids(rows))  # (B, G)
+        member = self._member  # (B, G): only the rows whose subset changed are rewritten
+        for j, g in enumerate(self._subset_ids(rows)):
+            if self._member_ids[j] is not g:
+                member[j] = False
+                member[j, g] = True
+                self._member_ids[j] = g
         ugid = np.flatnonzero(member.any(0))  # the union, sorted (matrix by matrix, then component)
         umat = self._mat_of_gid[ugid]
         size = np.bincount(umat, minlength=len(self.names))  # (M,)
@@ -181,8 +189,9 @@ class ParseSlots:
         if self.masked:  # queued before the gathers: an upload waits for nothing queued ahead of it
             cols = upload(torch.from_numpy(self._slot_col[pos]), dev)  # (|U|,)
             bits = upload(torch.from_numpy(member[:, ugid]), dev)  # (B, |U|) bool
-            for n, sz in sizes.items():  # live widths: the union rounded up to LIVE_ALIGN, as the kernels read
-                self.live[self._where[n]] = min(padded(sz, LIVE_ALIGN), self.widths[n])
+            # live widths: the union rounded up to LIVE_ALIGN, as the kernels read (the padding is masked out)
+            live = np.minimum(-(-size // LIVE_ALIGN) * LIVE_ALIGN, self._W)  # (M,)
+            self.live.view(-1)[torch.from_numpy(self._live_at)] = torch.from_numpy(live.astype(np.int32))
             self.live_dev.copy_(upload(self.live, dev))
             self.keep_all.index_fill_(1, self._routed_cols, 0)  # every routed column off, the union's rows on
             self.keep_all.index_copy_(1, cols, bits.to(self.keep_all.dtype))
@@ -198,9 +207,12 @@ class ParseSlots:
                     dst.U.data[:, sizes[n]:] = 0
             for i in sorted({self._where[self.names[m]][0] for m in np.flatnonzero(changed)}):
                 self.layers[i].refresh()  # re-pack only the layers whose factors changed
-        for n, lin in self._slins.items():  # the eager prefill masks through FactorizedLinear.mask
-            if n in self.widths:
-                lin.mask = self.keep[n] if self.masked else None
-                lin.live = int(self.live[self._where[n]]) if self.masked else None
+        if self.masked:  # the eager prefill masks through FactorizedLinear.mask and reads its live prefix
+            for m, n in enumerate(self.names):  # (module attribute writes are slow: only what changed)
+                lin = self._slins[n]
+                if lin.mask is not self.keep[n]:
+                    lin.mask = self.keep[n]
+                if lin.live != live[m]:
+                    lin.live = int(live[m])
         self.last_changed = int(changed.sum())
         return sizes
