@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     stream.close()
     res["median_step_ms"] = statistics.median(res["steps"])
     # the slot load alone, at the batch size the joins ran at
-    slots = next(iter(eng._slots.values()))
+    slots = eng._slots[max(eng._slots)]  # the largest batch bucket built: the one the joins ran in
     B = slots.B
     base = subsets[:B]
     swapped = subsets[1:B + 1]

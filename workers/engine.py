@@ -583,9 +583,9 @@ class _Batch:
             self.lens[r.slot] = len(r.prompt_ids)
         if whole:
             self._prefill(whole)
+        self._read_picks()  # before the chunks: a chunk runs on the device after this step's tokens are read
         self.filling += long
         ready += self._fill(busy=bool(running or ready))
-        self._read_picks()
         out = []
         for r in sorted(running + whole + ready, key=lambda r: r.slot):
             if r.pick is not None and r.params.temperature == 0:
@@ -685,7 +685,7 @@ class _Batch:
             logits = self.dec.step(nxt)  # (B, V) a static buffer: read before the next step
             self.lens = [l + 1 for l in self.lens]
             if self.dec.dcfg.greedy and any(r.params.temperature == 0 for r in running):
-                self.picking = running  # read after the step's prompts are queued too (_read_picks)
+                self.picking = running  # read once the step's whole prompts are queued too (_read_picks)
         else:
             active = torch.zeros(B, dtype=torch.int32)
             active[[r.slot for r in running]] = 1
@@ -697,7 +697,8 @@ class _Batch:
 
     def _read_picks(self) -> None:
         """The device's argmax of the last decode step for the rows that took it. The read waits for the device,
-        so it comes after the step's prompts were queued behind the decode step (the device never idles between)."""
+        so it comes after the step's whole prompts were queued behind the decode step (the device does not idle
+        while the host prepares them)."""
         if self.picking:
             picks = self.dec.tokens.tolist()
             for r in self.picking:
