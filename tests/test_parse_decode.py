@@ -269,3 +269,33 @@ def test_one_launch_step_follows_a_reloaded_subset():
             slots.load([sub])
             got = [slots.decoder.prefill(prompt)] + [slots.decoder.step(t).clone() for t in steps]
             _assert_steps_close(got, ref)
+
+
+def test_one_row_prefill_reads_the_rows_own_components():
+    """ParseSlots.prefill (the one-row prefill over the slot model, its masks pointed at one row's keep bits and
+    each routed matrix read up to its cap) gives each row's logits and K/V as the row's subset alone; a union wider
+    than a cap returns None (the engine prefills eagerly); the batch's masks and live widths are restored."""
+    from rankserve.workers.prefill_graph import PrefillGraphs
+
+    pool, routers = _pool()
+    B, ids = 3, [5, 9, 2, 33, 7, 1, 40]
+    slots = ParseSlots(pool, routers, DecodeConfig(batch_size=B, max_seq_len=32, backend="torch", graph="none"))
+    assert slots.prefill(ids, slots.decoder.cache, 0) is None  # no prefills attached
+    slots.prefills = PrefillGraphs(slots.model, 32, graph=False)
+    subs = _overlapping(routers, B, tail=1, seed=0)
+    cache = slots.decoder.cache
+    with torch.no_grad():
+        slots.load(subs)
+        before = {n: (l.mask, l.live) for n, l in slots.model.projections().items()}
+        for slot in range(B):
+            got = slots.prefill(ids, cache, slot)
+            apply(pool, [subs[slot]])
+            ref_cache = KVCache(CFG.num_hidden_layers, 1, 32, CFG.num_key_value_heads, CFG.head_dim)
+            ref = pool(torch.tensor([ids]), ref_cache, torch.tensor([len(ids)], dtype=torch.int32), last_only=True)
+            clear(pool)
+            assert float((got - ref[0]).abs().max() / ref.abs().max()) <= 1e-5
+            assert torch.allclose(cache.k[:, slot, :len(ids)], ref_cache.k[:, 0, :len(ids)], atol=1e-5, rtol=1e-5)
+            assert int(cache.seqlens[slot]) == len(ids)
+        assert {n: (l.mask, l.live) for n, l in slots.model.projections().items()} == before
+        slots._cap = slots._k.copy()  # caps of K: the union (K + 2) is wider
+        assert slots.prefill(ids, cache, 0) is None

@@ -236,6 +236,8 @@ class Engine:
         self._held: OrderedDict[tuple[str, int, int], int] = OrderedDict()  # built decoders' bytes, LRU first
         self._packed: dict[bool, list] = {}  # packed decode weights per fused-norm layout, shared by decoders
         self._prefills: PrefillGraphs | None = None  # the fast path's one-row prefills (CUDA graphs on the GPU)
+        self._slot_stage: KVCache | None = None  # PARSE: the slots models' one-row prefills' shared staging cache
+        self._slot_pool: tuple | None = None  # and their graphs' shared memory pool
         self.prefill_chunk = prefill_chunk
         self._chunks: ChunkedPrefill | None = None  # long prompts joining a decoding batch, a chunk a step
         if prefix_cache_bytes is None:
@@ -416,6 +418,7 @@ class Engine:
                 sm = self._slots[(B, S)].model
                 self._held[("slots", B, S)] = _cache_bytes(self._slots[(B, S)].decoder) + sum(
                     p.numel() * p.element_size() for p in sm.parameters())
+                self._slots[(B, S)].prefills = self._slot_prefills(sm)
             self._held.move_to_end(("slots", B, S))
             self._slots[(B, S)].load(subsets)
             return self._slots[(B, S)].decoder
@@ -427,6 +430,20 @@ class Engine:
             self._held[("dec", B, S)] = _cache_bytes(self._decoders[(B, S)])
         self._held.move_to_end(("dec", B, S))
         return self._decoders[(B, S)]
+
+    def _slot_prefills(self, model: Transformer) -> PrefillGraphs:
+        """One-row prefills over a PARSE slots model (ParseSlots.prefill): CUDA graphs on the GPU, where the eager
+        forward's host time (~55 ms at the 7B shape, whatever the prompt's length) stalled every join. All slots
+        models' graphs share one staging cache and one memory pool (they run one at a time); neither is counted in
+        decoder_memory_bytes, as for a static model's prefill graphs."""
+        if self._slot_stage is None:
+            cfg = self.cfg
+            self._slot_stage = KVCache(cfg.num_hidden_layers, 1, self.max_seq_len, cfg.num_key_value_heads,
+                                       cfg.head_dim, device=self.device, dtype=self.model.embed.weight.dtype)
+        cuda = self.device.type == "cuda"
+        if cuda and self._slot_pool is None:
+            self._slot_pool = torch.cuda.graph_pool_handle()
+        return PrefillGraphs(model, self.max_seq_len, graph=cuda, stage=self._slot_stage, pool=self._slot_pool)
 
     def _prefill_graphs(self) -> PrefillGraphs | None:
         """One-row prefills for the fast path of a static model: CUDA graphs on the GPU (the eager forward's host
@@ -788,12 +805,19 @@ class _Batch:
         e = self.e
         model = self.dec.model if self.dec is not None else e.model
         cache = self.dec.cache if self.dec is not None else self.cache
-        graphs = e._prefill_graphs() if self.dec is not None and len(joining) <= PREFILL_GRAPH_ROWS else None
-        if graphs is not None:  # the fast path: one replayed graph a row
-            for r in joining:
-                r.logits = graphs.prefill(r.prompt_ids, cache, r.slot)
+        slots = e._slots.get((self.B, self.S)) if e.routers is not None else None
+        if self.dec is not None and len(joining) <= PREFILL_GRAPH_ROWS and (e.routers is None or slots is not None):
+            for i, r in enumerate(joining):  # the fast path: one replayed graph a row
+                if slots is None:
+                    r.logits = e._prefill_graphs().prefill(r.prompt_ids, cache, r.slot)
+                elif (logits := slots.prefill(r.prompt_ids, cache, r.slot)) is not None:
+                    r.logits = logits
+                else:  # PARSE: the batch's union is wider than the graphs read: this row and the rest eagerly
+                    joining = joining[i:]
+                    break
                 self.lens[r.slot] = len(r.prompt_ids)
-            return
+            else:
+                return
         rows = sorted(joining, key=lambda r: r.slot)
         runs = [[rows[0]]]
         for r in rows[1:]:

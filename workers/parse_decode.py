@@ -27,6 +27,9 @@ admission and reused for every decode step (rank reuse); `bench/parse_speed.py` 
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import numpy as np
 import torch
 from torch import nn
@@ -37,9 +40,13 @@ from rankserve.workers.host import upload
 from rankserve.workers.model import ATTN_PROJS, PROJS, Transformer, proj_name
 from rankserve.workers.parse import Routers
 from rankserve.workers.parse_batching import bases, subset_ids
+from rankserve.workers.prefill_graph import PrefillGraphs
 
 
 LIVE_ALIGN = 16  # the kernels read live widths in groups of 16 components (kernels/lowrank_linear.py gemv)
+# a joining row's one-row prefill graph (ParseSlots.prefill) reads each routed matrix up to this many times K: a
+# batch whose union is wider somewhere prefills eagerly (routed subsets of 8 prompts: unions of 1.04-1.20 K)
+PREFILL_CAP = 1.25
 
 
 def slot_widths(routers: Routers, batch_size: int, align: int = 1) -> dict[str, int]:
@@ -113,6 +120,9 @@ class ParseSlots:
                         spans.append((i, attr, names, col))
                         col += sum(l.rank for l in lins)
             self.keep_all = torch.ones(B, col, device=dev, dtype=dt)  # (B, cols)
+            # one row's keep bits, what the one-row prefill graphs read (prefill); per projection, views like keep's
+            self.row_keep = torch.ones(1, col, device=dev, dtype=dt)
+            self._row_mask: dict[str, torch.Tensor] = {}
             slot_col = np.zeros(int(self._W.sum()), dtype=np.int64)  # slot position -> keep column
             for i, attr, names, c0 in spans:
                 L = self.layers[i]
@@ -124,11 +134,15 @@ class ParseSlots:
                     n, r = proj_name(i, p), L.proj[p].rank
                     if n in self.widths:
                         self.keep[n] = self.keep_all[:, c0:c0 + r]
+                        self._row_mask[n] = self.row_keep[:, c0:c0 + r]
                         m = self.names.index(n)
                         slot_col[self._sbase[m]:self._sbase[m] + r] = np.arange(c0, c0 + r)
                     c0 += r
             self._slot_col = slot_col
             self._routed_cols = torch.from_numpy(slot_col).to(dev)  # every routed slot's keep column
+        self._live = self._W.copy()  # (M,) live widths as the last load set them (host)
+        self._cap = np.minimum(-(-np.ceil(PREFILL_CAP * self._k).astype(np.int64) // LIVE_ALIGN) * LIVE_ALIGN, self._W)
+        self.prefills: PrefillGraphs | None = None  # one-row prefills over self.model, set by the owner (prefill)
         # B = 1: no masks or live widths (the slot is the subset), so the one-launch step can run it (fixed buffers,
         # refilled in place); B > 1 is always the per-kernel step
         self.decoder = FastDecoder(self.model, dcfg, packed=self.layers)
@@ -192,6 +206,7 @@ class ParseSlots:
             # live widths: the union rounded up to LIVE_ALIGN, as the kernels read (the padding is masked out)
             live = np.minimum(-(-size // LIVE_ALIGN) * LIVE_ALIGN, self._W)  # (M,)
             self.live.view(-1)[torch.from_numpy(self._live_at)] = torch.from_numpy(live.astype(np.int32))
+            self._live = live
             self.live_dev.copy_(upload(self.live, dev))
             self.keep_all.index_fill_(1, self._routed_cols, 0)  # every routed column off, the union's rows on
             self.keep_all.index_copy_(1, cols, bits.to(self.keep_all.dtype))
@@ -216,3 +231,33 @@ class ParseSlots:
                     lin.live = int(live[m])
         self.last_changed = int(changed.sum())
         return sizes
+
+    def prefill(self, ids: list[int], cache, slot: int) -> torch.Tensor | None:
+        """Row `slot`'s prompt into its row of `cache` through `self.prefills` (CUDA graphs of a one-row prefill over
+        the slot model), with the row's own components: its keep bits copied into the row buffer the graphs read,
+        each routed matrix read up to its cap (PREFILL_CAP K; past the union it is masked padding). -> its last
+        logits (V,) fp32; None when there are no prefills or the union is wider than a cap (prefill it eagerly)."""
+        if self.prefills is None or (self.masked and (self._live > self._cap).any()):
+            return None
+        if self.masked:
+            self.row_keep.copy_(self.keep_all[slot:slot + 1])
+        with self._row_mode():
+            return self.prefills.prefill(ids, cache, slot)
+
+    @contextlib.contextmanager
+    def _row_mode(self) -> Iterator[None]:
+        """The routed projections of the slot model read the one-row keep buffer up to their caps (what a graph
+        captures, and what the CPU's eager stand-in runs), then the batch's masks and live widths again. B = 1:
+        nothing to change (the slot is the row's subset)."""
+        if not self.masked:
+            yield
+            return
+        lins = [self._slins[n] for n in self.names]
+        saved = [(lin.mask, lin.live) for lin in lins]
+        try:
+            for m, (n, lin) in enumerate(zip(self.names, lins)):
+                lin.mask, lin.live = self._row_mask[n], int(self._cap[m])
+            yield
+        finally:
+            for lin, (mask, live) in zip(lins, saved):
+                lin.mask, lin.live = mask, live

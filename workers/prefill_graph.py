@@ -54,16 +54,22 @@ def _place(src: KVCache, cache: KVCache, slot: int, n: int) -> None:
 class PrefillGraphs:
     """CUDA graphs of a one-row prefill per prompt-length bucket, captured on first use. `graph=False` runs the
     same padded forward eagerly (the CPU, tests). Graphs are not thread-safe: one caller at a time (the engine's
-    thread). Static models only: PARSE masks are per batch row and would be baked into the graph."""
+    thread). A PARSE slots model's masks are per batch row: `ParseSlots.prefill` points them at one row's buffer
+    (workers/parse_decode.py) around each call."""
 
-    def __init__(self, model: Transformer, max_len: int, graph: bool = True) -> None:
+    def __init__(self, model: Transformer, max_len: int, graph: bool = True, stage: KVCache | None = None,
+                 pool: tuple | None = None) -> None:
+        """`stage` (a one-row cache of >= max_len positions) and `pool` (a graph memory pool handle) may be shared
+        by several PrefillGraphs that run one at a time (PARSE: one per rank-slots model)."""
         cfg, w = model.cfg, model.embed.weight
         if graph and w.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device; use graph=False on the CPU")
-        self.model, self.max_len, self.graph = model, max_len, graph
+        if stage is not None and (stage.batch_size != 1 or stage.max_seq_len < max_len):
+            raise ValueError(f"a staging cache of one row and >= {max_len} positions is needed")
+        self.model, self.max_len, self.graph, self.pool = model, max_len, graph, pool
         # (L, 1, max_len + 1, H_kv, D): filled from position 0 by each replay, its rows copied out after
-        self.stage = KVCache(cfg.num_hidden_layers, 1, max_len, cfg.num_key_value_heads, cfg.head_dim,
-                             device=w.device, dtype=w.dtype)
+        self.stage = stage or KVCache(cfg.num_hidden_layers, 1, max_len, cfg.num_key_value_heads, cfg.head_dim,
+                                      device=w.device, dtype=w.dtype)
         # bucket -> (graph or None, static tokens (1, bucket), static length (1,), the graph's logits (1, V) or None)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
 
@@ -108,7 +114,7 @@ class PrefillGraphs:
         if not self.graph:
             self._graphs[L] = (None, tokens, length, None)
             return
-        g, logits = _capture(lambda: self._forward(tokens, length), dev)
+        g, logits = _capture(lambda: self._forward(tokens, length), dev, self.pool)
         self._graphs[L] = (g, tokens, length, logits)
 
 
