@@ -173,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=int, default=32)
     p.add_argument("--long-gen", type=int, default=16, help="tokens each long request generates")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--parse-graph-tokens", type=int, default=None,
+                   help="PARSE: Engine.parse_graph_tokens (joins up to this long prefill by graphs; 0: eagerly)")
     p.add_argument("--parse", action="store_true",
                    help="GPU: a PARSE pool with random routers, each request its own subset (any 8: union ~1.05 K); "
                    "its chunks run eagerly")
@@ -184,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.model_dir is None and not cuda:
         p.error("the 7B shape needs a CUDA GPU; give --model-dir for a CPU run")
     eng = Engine.load(a.model_dir, device="cuda" if cuda else "cpu") if a.model_dir else random_7b(parse=a.parse)
+    if a.parse_graph_tokens is not None:
+        eng.parse_graph_tokens = a.parse_graph_tokens
     eng.prefix = None  # the passes repeat the same prompts: measure chunking, not prefix-cache hits
     if a.rows + 1 > eng.max_batch_size:
         p.error(f"--rows leaves no place for a long prompt (max_batch_size {eng.max_batch_size})")

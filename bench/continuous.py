@@ -303,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="rows join only when this many places are free (or the batch is empty); several: each")
     p.add_argument("--first-step-tokens", type=int, default=512,
                    help="prompt length of the first-step timing (8 copies of one prompt vs 8 prompts); 0: skip")
+    p.add_argument("--parse-graph-tokens", type=int, default=None,
+                   help="PARSE: Engine.parse_graph_tokens (joins up to this long prefill by graphs; 0: eagerly)")
     p.add_argument("--parse", action="store_true",
                    help="GPU: a PARSE pool with random routers; each request its own subset (8 rows' union ~1.05 K)")
     p.add_argument("--prefill-lengths", type=int, nargs="*", default=[16, 128, 512, 2000],
@@ -315,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     model = a.model_dir or ("random weights, LLaMA-7B shape, svd-llm ranks at keep 0.6, bf16, vocabulary 12,288" +
                             ("; a PARSE pool of 2 K components a matrix, random routers, each request its own "
                              "subset (any 8 share all but ~5 % of K: union ~1.05 K)" if a.parse else ""))
+    if a.parse_graph_tokens is not None:
+        eng.parse_graph_tokens = a.parse_graph_tokens
     eng.prefix = None  # the passes repeat the same queue: measure batching, not prefix-cache hits
     queue = make_queue(eng, a.requests, a.longest, a.prompt_tokens)
     res: dict[str, Any] = dict(device=torch.cuda.get_device_name() if cuda else "CPU", torch=torch.__version__,

@@ -210,11 +210,17 @@ class Engine:
                  prefill_chunk: int | None = None,
                  # bytes of earlier prompts' K/V kept for prompts that start alike (workers/prefix_cache.py; static
                  # models): None: 5 % of the GPU's memory, 256 MB on the CPU; 0: off
-                 prefix_cache_bytes: int | None = None) -> None:
+                 prefix_cache_bytes: int | None = None,
+                 # PARSE fast path: a joining prompt up to this many tokens is prefilled by a one-row CUDA graph over
+                 # the rank slots (ParseSlots.prefill), a longer one eagerly; 0: always eagerly
+                 parse_graph_tokens: int = 1024) -> None:
         if parse_pull < 0:
             raise ValueError(f"parse_pull must be >= 0, got {parse_pull}")
         if prefill_chunk is None:
             prefill_chunk = 0 if routers is not None and model.embed.weight.device.type == "cuda" else 512
+        if parse_graph_tokens < 0:
+            raise ValueError(f"parse_graph_tokens must be >= 0 (0: no graphs), got {parse_graph_tokens}")
+        self.parse_graph_tokens = parse_graph_tokens
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0: whole prompts), got {prefill_chunk}")
         self.model, self.tokenizer, self.manifest = model, tokenizer, manifest
@@ -255,7 +261,8 @@ class Engine:
     def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
              max_batch_size: int = 8, max_seq_len: int | None = None, fast_path: str = "auto",
              reroute_every: int = 0, parse_pull: float = 0.2, decoder_memory_bytes: int | None = None,
-             prefill_chunk: int | None = None, prefix_cache_bytes: int | None = None) -> "Engine":
+             prefill_chunk: int | None = None, prefix_cache_bytes: int | None = None,
+             parse_graph_tokens: int = 1024) -> "Engine":
         if dtype is None:
             dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
         model, manifest = load_checkpoint(model_dir, device=device, dtype=dtype)
@@ -265,7 +272,8 @@ class Engine:
         return cls(model, Tokenizer.load(model_dir), manifest, max_batch_size, max_seq_len, fast_path,
                    routers=routers, reroute_every=reroute_every, parse_pull=parse_pull,
                    extra_eos=generation_eos(model_dir), decoder_memory_bytes=decoder_memory_bytes,
-                   prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes)
+                   prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes,
+                   parse_graph_tokens=parse_graph_tokens)
 
     # --- public API ------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str, params: SamplingParams | None = None, room: int = 1) -> list[int]:
@@ -810,9 +818,10 @@ class _Batch:
             for i, r in enumerate(joining):  # the fast path: one replayed graph a row
                 if slots is None:
                     r.logits = e._prefill_graphs().prefill(r.prompt_ids, cache, r.slot)
-                elif (logits := slots.prefill(r.prompt_ids, cache, r.slot)) is not None:
+                elif len(r.prompt_ids) <= e.parse_graph_tokens and \
+                        (logits := slots.prefill(r.prompt_ids, cache, r.slot)) is not None:
                     r.logits = logits
-                else:  # PARSE: the batch's union is wider than the graphs read: this row and the rest eagerly
+                else:  # PARSE: a long prompt, or a union wider than the graphs read: this row and the rest eagerly
                     joining = joining[i:]
                     break
                 self.lens[r.slot] = len(r.prompt_ids)
