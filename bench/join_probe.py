@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--every", type=int, default=12)
     p.add_argument("--long-tokens", type=int, default=1800)
     a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("join_probe needs a CUDA GPU: it profiles the 7B-shape PARSE engine's fast path")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     eng = random_7b(parse=True)

@@ -59,10 +59,10 @@ class FamilySpec:
     join_running: bool = True  # requests join a running batch between steps (continuous batching); False: static
     # batches, each decoded to its end while new requests wait (measured against: worker-batching-cpu-continuous.md)
     join_min_rows: int | None = None  # free places a running batch needs before waiting requests join; None: the
-    # engine's default (1; a PARSE family on the GPU: max_batch_size // 2, measured in continuous-h200-parse.md)
+    # engine's default (1; a PARSE family on the GPU: max_batch_size // 2, measured in parse-joins-h200.md)
     prefill_chunk: int | None = None  # a longer prompt joins a decoding batch this many tokens a step, so the running
     # rows keep making tokens while it fills (0: whole prompts). None: the engine's default, 512 (a PARSE family on
-    # the GPU: 0). Measured in bench/results/chunked-prefill-h200.md, chunked-prefill-h200-parse.md
+    # the GPU: 0). Measured in bench/results/chunked-prefill-h200.md, parse-joins-h200.md
     prefix_cache_gb: float | None = None  # earlier prompts' K/V kept so a prompt that starts alike (a chat's system
     # prompt and history) prefills only the rest (workers/prefix_cache.py; static models). None: the engine's default
     # (5 % of the GPU's memory, 256 MB on the CPU); 0: off

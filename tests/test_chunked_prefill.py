@@ -155,7 +155,7 @@ def test_parse_rows_fill_with_their_own_subsets(tmp_path):
                                                     collect_batch=16, eval_every=2, save_every=2),
                                   progress=False)
     sp = SamplingParams(max_new_tokens=16, ignore_eos=True)
-    assert Engine.load(ckpt).prefill_chunk == 512  # 0 by default only on the GPU (chunked-prefill-h200-parse.md)
+    assert Engine.load(ckpt).prefill_chunk == 512  # 0 by default only on the GPU (parse-joins-h200.md)
     for fast_path in ("off", "torch"):
         eng = Engine.load(ckpt, fast_path=fast_path, prefill_chunk=8)
         assert eng.prefix is None  # a PARSE row's K/V depend on its subset: no prefix cache

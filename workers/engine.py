@@ -206,7 +206,8 @@ class Engine:
                  # a prompt longer than this joins a batch whose rows are decoding this many tokens a step (they take
                  # a step between its chunks instead of waiting for the whole prompt); 0: whole prompts. None: 512,
                  # but 0 for PARSE on the GPU, whose joins reload the rank slots and whose chunks run eagerly: there
-                 # chunks left the worst stall as it was and cost 30 % of the tokens/s (chunked-prefill-h200-parse.md)
+                 # chunks of 512 raised the worst stall (97 -> 123 ms) and cost 39 % of the tokens/s
+                 # (bench/results/parse-joins-h200.md)
                  prefill_chunk: int | None = None,
                  # bytes of earlier prompts' K/V kept for prompts that start alike (workers/prefix_cache.py; static
                  # models): None: 5 % of the GPU's memory, 256 MB on the CPU; 0: off
@@ -253,8 +254,8 @@ class Engine:
             raise ValueError(f"prefix_cache_bytes must be >= 0 (0: off), got {prefix_cache_bytes}")
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes and routers is None else None
         # free places a running batch needs before waiting requests join it (BatchStream.admits): 1, except PARSE on
-        # the GPU, where a join reloads the rank slots and is prefilled eagerly: at the 7B shape joining one at a
-        # time gave 0.67x static batches' tokens/s, four at a time 1.06x (bench/results/continuous-h200-parse.md)
+        # the GPU, where each join reloads the rank slots: at the 7B shape joining one at a time gave 1.11-1.13x
+        # static batches' tokens/s, four at a time 1.33x (bench/results/parse-joins-h200.md)
         self.join_min = max(1, max_batch_size // 2) if routers is not None and self.device.type == "cuda" else 1
 
     @classmethod

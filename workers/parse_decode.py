@@ -23,6 +23,12 @@ W = min(r_max, B * K) per matrix, and the FastDecoder (and its CUDA graphs) is b
   the same live prefix (`FactorizedLinear.live`).
 The gather cost (index_select of the union's V rows and U columns, then re-packing) is paid once per batch
 admission and reused for every decode step (rank reuse); `bench/parse_speed.py` measures it.
+
+A request joining a running batch (continuous batching) is one load with that row's subset changed: the other
+rows' subsets are not converted again, the keep bits are written on the device, and `prefill(ids, cache, slot)`
+runs its prompt through `prefills` (one-row CUDA graphs over the slot model, set by the engine) with the slot
+model's masks pointed at that row's keep bits and each routed matrix read up to PREFILL_CAP K. What a join costs,
+before and after: bench/results/parse-joins-h200.md.
 """
 
 from __future__ import annotations
