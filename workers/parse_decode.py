@@ -174,7 +174,8 @@ class ParseSlots:
 
         Rows beyond len(subsets) (a partly filled batch) reuse the last subset. No recapture: the decoder's
         graphs keep reading the same buffers. The host work is vectorized over all matrices, each subset's lists
-        are converted once while it stays in the batch, and the index plan and keep bits travel in one copy each;
+        are converted once while it stays in the batch (known by identity: a subset is not changed in place; a
+        re-routed row gets a new one), and the index plan and keep bits travel in one copy each;
         matrices whose slot already holds the union's components in place (a repeated prompt, a cache hit on
         the same subset) are not gathered again. The keep masks are written on the device.
         """
