@@ -85,11 +85,14 @@ def _sse_line(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def _logprobs(routed: Routed, entries: list[dict]) -> dict | None:
-    """The worker's logprob entries in the request's shape (chat or completion); None when not asked for."""
+def _logprobs(routed: Routed, entries: list[dict], prompt: bool = False) -> dict | None:
+    """The worker's logprob entries in the request's shape (chat or completion); None when not asked for. With
+    echo, a stream's completion entries' offsets move past the prompt; `prompt`: these are the prompt's own."""
     if routed.req.logprobs is None:
         return None
-    return chat_logprobs(entries) if routed.chat else completion_logprobs(entries)
+    if routed.chat:
+        return chat_logprobs(entries)
+    return completion_logprobs(entries, None, len(routed.req.prompt) if routed.req.echo and not prompt else 0)
 
 
 def _proto_logprobs(entries: list[dict], prompt_entries: list[dict] | None = None,
@@ -257,8 +260,8 @@ class Router:
         status, total = 200, None
 
         def chunk(i: int, text: str, entries: list[dict], finish_reason: str | None = None,
-                  usage_: dict | None = None) -> str:
-            lp = _logprobs(routed[i], entries)
+                  usage_: dict | None = None, prompt: bool = False) -> str:
+            lp = _logprobs(routed[i], entries, prompt)
             if not chat:
                 return _sse_line(chunk_body(id, family, text, finish_reason, usage_, lp, i))
             return _sse_line(chat_chunk_body(id, family, {"content": text} if text else {}, finish_reason, usage_,
@@ -269,9 +272,13 @@ class Router:
             if chat:
                 for i in range(len(routed)):
                     yield _sse_line(chat_chunk_body(id, family, {"role": "assistant", "content": ""}, index=i))
-            # choice 0's start event was read already: its prompt tokens start the count
+            if req.echo:  # choice 0's start event was read already: its echoed prompt goes first
+                yield chunk(0, req.prompt, first.get("prompt_logprobs") or [], prompt=True)
+            # and its prompt tokens start the count
             async for i, ev, entries, total in self._pieces(merged, routed, t0, tags, first["prompt_tokens"]):
-                if ev["event"] == "token":
+                if ev["event"] == "start":  # echo: a choice's prompt, before its tokens
+                    yield chunk(i, routed[i].req.prompt, entries, prompt=True)
+                elif ev["event"] == "token":
                     yield chunk(i, ev["text"], entries)
                 else:  # the last finish chunk carries the usage, unless OpenAI's extra chunk does
                     yield chunk(i, "", entries, ev["finish_reason"], None if req.include_usage else total)
@@ -379,13 +386,16 @@ class Router:
             streams = [self._events(r) for r in routed]
             merged = _merge(streams)
             async for i, ev, entries, total in self._pieces(merged, routed, t0, tags):
-                if ev["event"] == "token":
+                moved = len(routed[i].req.prompt) if routed[i].req.echo else 0  # echo: offsets past the prompt
+                if ev["event"] == "start":  # echo: a choice's prompt first, in a chunk of no token (token_id 0)
+                    yield pb.GenerateChunk(id=id, index=i, text=routed[i].req.prompt, logprobs=_proto_logprobs(entries))
+                elif ev["event"] == "token":
                     yield pb.GenerateChunk(id=id, index=i, text=ev["text"], token_id=ev["token_id"],
-                                           logprobs=_proto_logprobs(entries))
+                                           logprobs=_proto_logprobs(entries, None, moved))
                 else:
                     yield pb.GenerateChunk(id=id, index=i, finish_reason=ev["finish_reason"],
                                            usage=None if total is None else pb.Usage(**total),
-                                           logprobs=_proto_logprobs(entries))
+                                           logprobs=_proto_logprobs(entries, None, moved))
         except Failure as f:
             status = f.status
             grpc_context.set_code(GRPC_CODE[f.status])
@@ -403,16 +413,19 @@ class Router:
     async def _pieces(self, merged: AsyncIterator[tuple[int, dict]], routed: list[Routed], t0: float,
                       tags: dict[str, str], n_prompt: int = 0
                       ) -> AsyncIterator[tuple[int, dict, list[dict], dict | None]]:
-        """What a stream sends, from its choices' merged worker events: (choice, a token event that releases text
-        or an end event, the logprob entries of the tokens it releases, the request's usage on the last end event
-        else None). A token whose text is held back (a possible stop string) sends its entries with the next one.
-        Each prompt's tokens count once (`n_prompt`: those of start events read already); observes the time to
-        the first token."""
+        """What a stream sends, from its choices' merged worker events: (choice, a token event that releases text,
+        an end event, or with echo a start event, the logprob entries of the tokens it releases (a start event:
+        the prompt's), the request's usage on the last end event else None). A token whose text is held back (a
+        possible stop string) sends its entries with the next one. Each prompt's tokens count once (`n_prompt`:
+        those of start events read already); observes the time to the first token."""
         pending: list[list[dict]] = [[] for _ in routed]  # per choice: entries of tokens held back
         completion, left, first_token = 0, len(routed), True
         async for i, ev in merged:
-            if ev["event"] == "start" and routed[i].write_back:
-                n_prompt += ev["prompt_tokens"]
+            if ev["event"] == "start":
+                if routed[i].write_back:
+                    n_prompt += ev["prompt_tokens"]
+                if routed[i].req.echo:  # the caller sends the prompt, with its own entries (echo + logprobs)
+                    yield i, ev, ev.get("prompt_logprobs") or [], None
             elif ev["event"] == "token":
                 pending[i].extend(ev.get("logprobs", ()))
                 if not ev["text"]:
@@ -500,7 +513,7 @@ class Router:
         """The worker's event stream; raises Failure for an error event. Cancelling this cancels the worker."""
         req = routed.req
         gen = self.workers[req.model].options(stream=True).stream.remote(
-            req.prompt, req.sampling(), routed.hit is not None, routed.hit.subset if routed.hit else None)
+            req.prompt, req.sampling(), routed.hit is not None, routed.hit.subset if routed.hit else None, req.echo)
         done = False
         try:
             async for ev in gen:

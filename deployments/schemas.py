@@ -148,8 +148,6 @@ class CompletionRequest(_Request):
     def _echo_rules(self):
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens: 0 is only allowed with echo: true (to score the prompt)")
-        if self.echo and self.stream:
-            raise ValueError("echo is not served with stream: true; ask without streaming")
         if len(self.prompts) * self.n > MAX_CHOICES:
             raise ValueError(f"{len(self.prompts)} prompts x n = {self.n} is more than {MAX_CHOICES} choices a request")
         return self
@@ -313,7 +311,7 @@ def check_request(req: _Request, families: dict[str, FamilyLimits]) -> FamilyLim
 def from_proto(msg, stream: bool = False) -> dict[str, Any]:
     """A `rankserve.GenerateRequest` or `ChatRequest` -> the same dict an HTTP body would be (unset optional fields
     left out): a chat's `logprobs: N` is HTTP's `"logprobs": true, "top_logprobs": N`; `stream`: it came through a
-    streaming RPC (what HTTP's `stream: true` says, and what echo refuses)."""
+    streaming RPC (what HTTP's `stream: true` says)."""
     chat = msg.DESCRIPTOR.name == "ChatRequest"
     d: dict[str, Any] = {"model": msg.model}
     if stream:

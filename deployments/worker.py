@@ -200,8 +200,9 @@ class Worker:
             return fold([ev async for ev in events])
 
     async def stream(self, prompt: str, sampling: dict[str, Any], cached: bool,
-                     subset: dict | None) -> AsyncIterator[dict]:
-        async with contextlib.aclosing(self._run(prompt, sampling, cached, subset)) as events:  # closed with us
+                     subset: dict | None, echo: bool = False) -> AsyncIterator[dict]:
+        """`echo` with logprobs: the start event carries the prompt's own entries, as `generate`'s."""
+        async with contextlib.aclosing(self._run(prompt, sampling, cached, subset, echo)) as events:  # closed with us
             async for ev in events:
                 yield ev
 

@@ -54,7 +54,6 @@ def test_stop_string_or_list():
     ({**OK, "prompt": ["a"] * 5, "n": 2}, None, "more than 8 choices"),
     ({**OK, "max_tokens": 0}, "max_tokens", "0 is only allowed with echo"),
     ({**OK, "max_tokens": -5}, "max_tokens", "greater than or equal to 0"),
-    ({**OK, "echo": True, "stream": True}, None, "echo is not served with stream"),
     ({**OK, "max_tokens": 1.5}, "max_tokens", "integer"),
     ({**OK, "max_tokens": "many"}, "max_tokens", "integer"),
     ({**OK, "temperature": -0.1}, "temperature", "greater than or equal to 0"),
@@ -101,8 +100,8 @@ def test_proto_goes_through_the_same_validation():
         parse_request(from_proto(pb.GenerateRequest(model="svd-llm", prompt="hi", logprobs=21)))
     req = parse_request(from_proto(pb.GenerateRequest(model="svd-llm", prompt="hi", n=3, echo=True, max_tokens=0)))
     assert req.n == 3 and req.echo and req.max_tokens == 0 and len(req.choices()) == 3
-    with pytest.raises(RequestError, match="echo"):  # the streaming RPC is HTTP's stream: true
-        parse_request(from_proto(pb.GenerateRequest(model="svd-llm", prompt="hi", echo=True), stream=True))
+    req = parse_request(from_proto(pb.GenerateRequest(model="svd-llm", prompt="hi", echo=True), stream=True))
+    assert req.stream and req.echo  # the streaming RPC is HTTP's stream: true, echo streams too
     with pytest.raises(RequestError, match="^n: "):
         parse_request(from_proto(pb.GenerateRequest(model="svd-llm", prompt="hi", n=0)))
 

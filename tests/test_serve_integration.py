@@ -249,7 +249,15 @@ def test_logprobs_are_the_clis(service, stub):
     echoed = post(service, {**body, "echo": True}).json()["choices"][0]  # echo while generating
     assert echoed["text"] == PROMPT + text and echoed["logprobs"]["tokens"] == slp["tokens"]
     assert echoed["logprobs"]["text_offset"] == slp["text_offset"]
-    assert post(service, {**body, "echo": True, "stream": True}).status_code == 400
+    text_e, chunks = sse(service, {**body, "echo": True})  # echo streams too: the prompt's chunk comes first
+    assert chunks[0]["choices"][0]["text"] == PROMPT and text_e == echoed["text"]
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"]]
+    assert sum((s["tokens"] for s in streamed), []) == echoed["logprobs"]["tokens"]
+    assert sum((s["text_offset"] for s in streamed), []) == echoed["logprobs"]["text_offset"]
+    _, chunks = sse(service, {"model": "svd-llm", "prompt": PROMPT + text, "max_tokens": 0, "echo": True,
+                              "logprobs": 2})  # a streamed score: the prompt's chunk, then the finish chunk
+    assert sum((c["choices"][0]["logprobs"]["tokens"] for c in chunks if c["choices"]), []) == slp["tokens"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 0
 
     _, chunks = sse(service, body)  # each chunk carries its tokens' entries; together they are the whole list
     streamed = [c["choices"][0]["logprobs"] for c in chunks]
@@ -282,7 +290,7 @@ def test_logprobs_are_the_clis(service, stub):
     assert [(e.token, list(e.bytes)) for e in chat.logprobs] == [(e["token"], e["bytes"]) for e in content]
     assert [e.logprob for e in chat.logprobs] == pytest.approx([e["logprob"] for e in content], abs=1e-6)
 
-    # gRPC echo: the same scoring and echoed generation as HTTP's; refused on the streaming RPC
+    # gRPC echo: the same scoring and echoed generation as HTTP's, whole and streamed
     rep = stub.Generate(pb.GenerateRequest(model="svd-llm", prompt=PROMPT + text, max_tokens=0, echo=True,
                                            logprobs=2), metadata=GRPC_AUTH, timeout=60)
     assert rep.text == PROMPT + text and rep.usage.completion_tokens == 0 and not rep.token_ids
@@ -293,10 +301,11 @@ def test_logprobs_are_the_clis(service, stub):
     rep = stub.Generate(pb.GenerateRequest(model="svd-llm", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2,
                                            echo=True), metadata=GRPC_AUTH, timeout=60)
     assert rep.text == echoed["text"] and [e.token for e in rep.logprobs] == echoed["logprobs"]["tokens"]
-    with pytest.raises(grpc.RpcError) as e:
-        list(stub.GenerateStream(pb.GenerateRequest(model="svd-llm", prompt=PROMPT, echo=True, logprobs=1),
-                                 metadata=GRPC_AUTH, timeout=60))
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "echo" in e.value.details()
+    chunks = list(stub.GenerateStream(pb.GenerateRequest(model="svd-llm", prompt=PROMPT, max_tokens=8, temperature=0,
+                                                         logprobs=2, echo=True), metadata=GRPC_AUTH, timeout=60))
+    assert chunks[0].text == PROMPT and "".join(c.text for c in chunks) == echoed["text"]
+    assert [e.token for c in chunks for e in c.logprobs] == echoed["logprobs"]["tokens"]
+    assert [e.text_offset for c in chunks for e in c.logprobs] == echoed["logprobs"]["text_offset"]
 
 
 def test_several_prompts_and_n_choices(service, stub):
