@@ -53,3 +53,20 @@ def test_a_prompt_past_the_cache_is_refused():
         graphs.prefill([1] * 65, _cache(model, 1, 256), 0)
     with pytest.raises(ValueError, match="CUDA"):
         PrefillGraphs(model, 64)
+
+
+def test_prefills_can_share_a_staging_cache():
+    """Two PrefillGraphs on one staging cache (PARSE: one per rank-slots model) give what each gives alone; a
+    staging cache of more rows or fewer positions than max_len is refused."""
+    model, _ = load_checkpoint(BUNDLED, "cpu", torch.float64)
+    stage = _cache(model, 1, 256)
+    a, b = PrefillGraphs(model, 256, graph=False, stage=stage), PrefillGraphs(model, 128, graph=False, stage=stage)
+    assert a.stage is stage and b.stage is stage
+    cache = _cache(model, 2, 256)
+    got = [a.prefill([5, 6, 7], cache, 0), b.prefill([9, 10], cache, 1), a.prefill([5, 6, 7], cache, 1)]
+    torch.testing.assert_close(got[0], got[2], rtol=0, atol=0)
+    alone = PrefillGraphs(model, 128, graph=False).prefill([9, 10], _cache(model, 1, 256), 0)
+    torch.testing.assert_close(got[1], alone, rtol=1e-12, atol=1e-12)
+    for bad in (_cache(model, 2, 256), _cache(model, 1, 64)):
+        with pytest.raises(ValueError, match="staging cache of one row"):
+            PrefillGraphs(model, 128, graph=False, stage=bad)

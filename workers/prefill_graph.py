@@ -68,8 +68,10 @@ class PrefillGraphs:
             raise ValueError(f"a staging cache of one row and >= {max_len} positions is needed")
         self.model, self.max_len, self.graph, self.pool = model, max_len, graph, pool
         # (L, 1, max_len + 1, H_kv, D): filled from position 0 by each replay, its rows copied out after
-        self.stage = stage or KVCache(cfg.num_hidden_layers, 1, max_len, cfg.num_key_value_heads, cfg.head_dim,
-                                      device=w.device, dtype=w.dtype)
+        if stage is None:
+            stage = KVCache(cfg.num_hidden_layers, 1, max_len, cfg.num_key_value_heads, cfg.head_dim, device=w.device,
+                            dtype=w.dtype)
+        self.stage = stage
         # bucket -> (graph or None, static tokens (1, bucket), static length (1,), the graph's logits (1, V) or None)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
 
