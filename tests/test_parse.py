@@ -248,10 +248,16 @@ def test_subset_validation(parse_dir):
                                                       routers.r_max[name] + 1))}}, "must be in"),
         ({"v": 1, "k": {**good["k"], name: [-1] + good["k"][name][1:]}}, "must be in"),
         ({"v": 1, "k": {**good["k"], name: [str(i) for i in good["k"][name]]}}, "integer indices"),
+        ({"v": 1, "k": {**good["k"], name: [True] + good["k"][name][1:]}}, "integer indices"),
+        ({"v": 1, "k": {**good["k"], name: [0.0] + good["k"][name][1:]}}, "integer indices"),
+        ({"v": 1, "k": {**good["k"], name: good["k"][name][:-1] + [2 ** 70]}}, "must be in"),
+        ({"v": 1, "k": {**good["k"], name: good["k"][name][::-1][:-1] + good["k"][name][-1:]}}, "distinct indices"),
     ]
     for subset, msg in bad:
         with pytest.raises(ValueError, match=msg):
             validate(subset, routers)
+    shuffled = {"v": 1, "k": {n: v[::-1] for n, v in good["k"].items()}}  # distinct but unsorted: sorted back
+    assert validate(shuffled, routers) == good
 
 
 def test_select_is_a_valid_subset_and_batch_matches_single(parse_dir):
