@@ -27,6 +27,7 @@ GPU_ALIGN = 16  # components; see the module doc
 
 
 def padded(r: int, multiple: int) -> int:
+    """r rounded up to a multiple of `multiple` (elementwise for a numpy array of ints)."""
     return -(-r // multiple) * multiple
 
 

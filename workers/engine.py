@@ -445,14 +445,12 @@ class Engine:
         forward's host time (~55 ms at the 7B shape, whatever the prompt's length) stalled every join. All slots
         models' graphs share one staging cache and one memory pool (they run one at a time); neither is counted in
         decoder_memory_bytes, as for a static model's prefill graphs."""
-        if self._slot_stage is None:
-            cfg = self.cfg
-            self._slot_stage = KVCache(cfg.num_hidden_layers, 1, self.max_seq_len, cfg.num_key_value_heads,
-                                       cfg.head_dim, device=self.device, dtype=self.model.embed.weight.dtype)
         cuda = self.device.type == "cuda"
         if cuda and self._slot_pool is None:
             self._slot_pool = torch.cuda.graph_pool_handle()
-        return PrefillGraphs(model, self.max_seq_len, graph=cuda, stage=self._slot_stage, pool=self._slot_pool)
+        graphs = PrefillGraphs(model, self.max_seq_len, graph=cuda, stage=self._slot_stage, pool=self._slot_pool)
+        self._slot_stage = graphs.stage  # the first one's, shared by the rest
+        return graphs
 
     def _prefill_graphs(self) -> PrefillGraphs | None:
         """One-row prefills for the fast path of a static model: CUDA graphs on the GPU (the eager forward's host

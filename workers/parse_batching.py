@@ -52,14 +52,12 @@ def subset_ids(subset: dict, routers: Routers) -> np.ndarray:
     return vals + np.repeat(base[:-1], k)
 
 
-def membership(subsets: list[dict], routers: Routers, ids: list[np.ndarray] | None = None) -> np.ndarray:
-    """(N, G) bool: column bases[m] + i is component i of matrix m (routers.k's order); row j = subsets[j].
-    `ids`: the rows' subset_ids() where already known (checked then); otherwise each subset is converted and
-    checked here."""
-    ids = ids if ids is not None else [subset_ids(s, routers) for s in subsets]
-    member = np.zeros((len(ids), int(bases(routers)[-1])), dtype=bool)
-    for j, g in enumerate(ids):
-        member[j, g] = True
+def membership(subsets: list[dict], routers: Routers) -> np.ndarray:
+    """(N, G) bool: column bases[m] + i is component i of matrix m (routers.k's order); row j = subsets[j], each
+    converted and checked by subset_ids()."""
+    member = np.zeros((len(subsets), int(bases(routers)[-1])), dtype=bool)
+    for j, s in enumerate(subsets):
+        member[j, subset_ids(s, routers)] = True
     return member
 
 

@@ -147,7 +147,7 @@ class ParseSlots:
             self._slot_col = slot_col
             self._routed_cols = torch.from_numpy(slot_col).to(dev)  # every routed slot's keep column
         self._live = self._W.copy()  # (M,) live widths as the last load set them (host)
-        self._cap = np.minimum(-(-np.ceil(PREFILL_CAP * self._k).astype(np.int64) // LIVE_ALIGN) * LIVE_ALIGN, self._W)
+        self._cap = np.minimum(padded(np.ceil(PREFILL_CAP * self._k).astype(np.int64), LIVE_ALIGN), self._W)  # (M,)
         self.prefills: PrefillGraphs | None = None  # one-row prefills over self.model, set by the owner (prefill)
         # B = 1: no masks or live widths (the slot is the subset), so the one-launch step can run it (fixed buffers,
         # refilled in place); B > 1 is always the per-kernel step
@@ -211,7 +211,7 @@ class ParseSlots:
             cols = upload(torch.from_numpy(self._slot_col[pos]), dev)  # (|U|,)
             bits = upload(torch.from_numpy(member[:, ugid]), dev)  # (B, |U|) bool
             # live widths: the union rounded up to LIVE_ALIGN, as the kernels read (the padding is masked out)
-            live = np.minimum(-(-size // LIVE_ALIGN) * LIVE_ALIGN, self._W)  # (M,)
+            live = np.minimum(padded(size, LIVE_ALIGN), self._W)  # (M,)
             self.live.view(-1)[torch.from_numpy(self._live_at)] = torch.from_numpy(live.astype(np.int32))
             self._live = live
             self.live_dev.copy_(upload(self.live, dev))
