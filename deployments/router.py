@@ -77,6 +77,7 @@ class Routed:
     lookup_s: float  # cache lookup alone
     chat: bool = False  # came in as a chat request: answered in chat shapes
     write_back: bool = True  # a miss writes the worker's subset back (the first choice of its prompt only)
+    text: str = ""  # the prompt's text: req.prompt, or its token ids decoded by the family's tokenizer (echo, embedding)
 
 
 # Helpers sit above the class: @serve.ingress pickles the FastAPI routes by value while the module is still
@@ -92,7 +93,7 @@ def _logprobs(routed: Routed, entries: list[dict], prompt: bool = False) -> dict
         return None
     if routed.chat:
         return chat_logprobs(entries)
-    return completion_logprobs(entries, None, len(routed.req.prompt) if routed.req.echo and not prompt else 0)
+    return completion_logprobs(entries, None, len(routed.text) if routed.req.echo and not prompt else 0)
 
 
 def _proto_logprobs(entries: list[dict], prompt_entries: list[dict] | None = None,
@@ -104,6 +105,14 @@ def _proto_logprobs(entries: list[dict], prompt_entries: list[dict] | None = Non
                             **({} if e["logprob"] is None else {"logprob": e["logprob"]}),
                             top_logprobs=[pb.TopLogprob(token=t, logprob=lp, bytes=bytes(b)) for t, lp, b in e["top"]])
             for e in both]
+
+
+def _from_proto(msg, stream: bool = False) -> dict[str, Any]:
+    """schemas.from_proto, its RequestError as a 400 Failure (INVALID_ARGUMENT)."""
+    try:
+        return from_proto(msg, stream)
+    except RequestError as e:
+        raise Failure(400, e.message, e.param) from None
 
 
 async def _merge(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tuple[int, dict]]:
@@ -239,8 +248,8 @@ class Router:
         for r, out in zip(routed, outs):
             if r.req.echo:  # completions only: the prompt first, in the text and the logprobs
                 lp = None if r.req.logprobs is None else completion_logprobs(out["logprobs"], out["prompt_logprobs"],
-                                                                             len(r.req.prompt))
-                choices.append(Choice(r.req.prompt + out["text"], out["finish_reason"], lp))
+                                                                             len(r.text))
+                choices.append(Choice(r.text + out["text"], out["finish_reason"], lp))
             else:
                 choices.append(Choice(out["text"], out["finish_reason"], _logprobs(r, out["logprobs"])))
         build, prefix = (chat_completion_body, "chatcmpl") if chat else (completion_body, "cmpl")
@@ -273,11 +282,11 @@ class Router:
                 for i in range(len(routed)):
                     yield _sse_line(chat_chunk_body(id, family, {"role": "assistant", "content": ""}, index=i))
             if req.echo:  # choice 0's start event was read already: its echoed prompt goes first
-                yield chunk(0, req.prompt, first.get("prompt_logprobs") or [], prompt=True)
+                yield chunk(0, routed[0].text, first.get("prompt_logprobs") or [], prompt=True)
             # and its prompt tokens start the count
             async for i, ev, entries, total in self._pieces(merged, routed, t0, tags, first["prompt_tokens"]):
                 if ev["event"] == "start":  # echo: a choice's prompt, before its tokens
-                    yield chunk(i, routed[i].req.prompt, entries, prompt=True)
+                    yield chunk(i, routed[i].text, entries, prompt=True)
                 elif ev["event"] == "token":
                     yield chunk(i, ev["text"], entries)
                 else:  # the last finish chunk carries the usage, unless OpenAI's extra chunk does
@@ -347,7 +356,7 @@ class Router:
         family = "-"
         try:
             self._authorize(grpc_context.invocation_metadata())
-            routed = await self._route(from_proto(request), chat)  # one Routed per choice
+            routed = await self._route(_from_proto(request), chat)  # one Routed per choice
             family = routed[0].req.model
             outs = await _gather_or_cancel([self._generate(r) for r in routed])
         except Failure as f:
@@ -360,9 +369,9 @@ class Router:
         for i, (r, out) in enumerate(zip(routed, outs)):
             echo = r.req.echo  # completions only: the prompt first, in the text and the logprobs
             choices.append(pb.Choice(
-                index=i, text=r.req.prompt + out["text"] if echo else out["text"], token_ids=out["token_ids"],
+                index=i, text=r.text + out["text"] if echo else out["text"], token_ids=out["token_ids"],
                 finish_reason=out["finish_reason"],
-                logprobs=_proto_logprobs(out["logprobs"], out["prompt_logprobs"], len(r.req.prompt)) if echo else
+                logprobs=_proto_logprobs(out["logprobs"], out["prompt_logprobs"], len(r.text)) if echo else
                 _proto_logprobs(out["logprobs"])))
         n_prompt = sum(out["prompt_tokens"] for r, out in zip(routed, outs) if r.write_back)  # once per prompt
         first = choices[0]
@@ -380,15 +389,15 @@ class Router:
         family, status, id, merged, streams = "-", 200, new_id("chatcmpl" if chat else "cmpl"), None, []
         try:
             self._authorize(grpc_context.invocation_metadata())
-            routed = await self._route(from_proto(request, stream=True), chat)
+            routed = await self._route(_from_proto(request, stream=True), chat)
             family = routed[0].req.model
             tags = {"family": family, "protocol": "grpc"}
             streams = [self._events(r) for r in routed]
             merged = _merge(streams)
             async for i, ev, entries, total in self._pieces(merged, routed, t0, tags):
-                moved = len(routed[i].req.prompt) if routed[i].req.echo else 0  # echo: offsets past the prompt
+                moved = len(routed[i].text) if routed[i].req.echo else 0  # echo: offsets past the prompt
                 if ev["event"] == "start":  # echo: a choice's prompt first, in a chunk of no token (token_id 0)
-                    yield pb.GenerateChunk(id=id, index=i, text=routed[i].req.prompt, logprobs=_proto_logprobs(entries))
+                    yield pb.GenerateChunk(id=id, index=i, text=routed[i].text, logprobs=_proto_logprobs(entries))
                 elif ev["event"] == "token":
                     yield pb.GenerateChunk(id=id, index=i, text=ev["text"], token_id=ev["token_id"],
                                            logprobs=_proto_logprobs(entries, None, moved))
@@ -470,11 +479,13 @@ class Router:
                 for i, c in enumerate(choices)]
 
     async def _lookup(self, req: CompletionRequest, version: str, chat: bool) -> Routed:
-        """Embed one prompt and look it up in the rank cache."""
+        """Embed one prompt (token ids: their text, decoded by the family's worker) and look it up in the rank
+        cache."""
+        text = req.prompt if isinstance(req.prompt, str) else await self._detokenize(req.model, req.prompt)
         t0 = time.perf_counter()
         # the embedder reads a prompt's start; a chat's start is often the same system prompt and history, and
         # what sets this request apart is its last turn: the rendered conversation's tail is its key
-        vec = await self._embed(req.prompt[-self.embedder.max_chars:] if chat else req.prompt)
+        vec = await self._embed(text[-self.embedder.max_chars:] if chat else text)
         t1 = time.perf_counter()
         hit = self.cache.lookup(req.model, version, vec) if self.cache else None
         t2 = time.perf_counter()
@@ -486,7 +497,18 @@ class Router:
         if self.cache is not None:
             self.m_size.set(self.cache.size(req.model, version), tags=tags)
         self._report_redis()
-        return Routed(req, version, vec, hit, t2 - t0, t2 - t1, chat)
+        return Routed(req, version, vec, hit, t2 - t0, t2 - t1, chat, text=text)
+
+    async def _detokenize(self, family: str, ids: list[int]) -> str:
+        """The text of a token-id prompt, from the family's tokenizer (a worker's); 400 for an id it has no
+        token for."""
+        try:
+            out = await self.workers[family].detokenize.remote(ids)
+        except Exception as e:
+            raise _unavailable(family, e)
+        if out.get("event") == "error":
+            raise Failure(out["status"], out["message"], out["param"])
+        return out["text"]
 
     async def _generate(self, routed: Routed) -> dict[str, Any]:
         """One whole generation. Cancelling this (a sibling choice failed, the client left) cancels the worker's."""

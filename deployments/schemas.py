@@ -29,6 +29,8 @@ from rankserve.workers.sampler import MAX_LOGPROBS, MIN_TEMPERATURE  # MIN: smal
 
 MAX_STOP = 4  # OpenAI's limit on stop strings
 MAX_PROMPT_CHARS = 1_000_000  # refuse absurd bodies before tokenizing them; the token limit is the real bound
+MAX_PROMPT_TOKENS = 1_000_000  # the same for a prompt sent as token ids (the context is the real bound)
+INT32_MAX = 2**31 - 1  # token ids: the proto's int32
 MAX_CHOICES = 8  # prompts x n per request: each choice is one generation, and a replica's batch holds
 # max_batch_size rows (8 by default): more choices than it holds would wait for others' rows to finish
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1  # the proto's int64 seed, and what torch.Generator.manual_seed takes
@@ -124,7 +126,9 @@ class CompletionRequest(_Request):
     client never silently gets something other than what it asked for. `echo` with `logprobs` and `max_tokens: 0`
     scores a text (each token's logprob given those before it), as evaluation harnesses ask."""
 
-    prompt: str | list[str]  # a list: one completion per prompt (choices prompt-major, then n), batched together
+    # a text or token ids (ints, used as given: no BOS added), or a list of either kind: one completion per prompt
+    # (choices prompt-major, then n), batched together
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each token's and the n most likely tokens' logprobs
     echo: bool = False  # the reply's text (and logprobs) start with the prompt's
     max_tokens: int = Field(16, ge=0)  # 0 only with echo: score the prompt, generate nothing
@@ -132,16 +136,34 @@ class CompletionRequest(_Request):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompts(cls, v: Any) -> Any:
-        items = v if isinstance(v, list) else [v]
+        """OpenAI's four shapes: "text", ["text", ...], [id, ...] (one prompt as token ids), [[id, ...], ...]."""
+        if isinstance(v, list) and v and all(t is None or isinstance(t, (int, float)) for t in v):
+            items = [v]  # one prompt of token ids (each checked below)
+        else:
+            items = v if isinstance(v, list) else [v]
         if not items:
             raise ValueError("an empty list of prompts")
+        kinds = set()
         for p in items:
-            if not isinstance(p, str):  # token-id prompts are not served: send text
-                raise ValueError(f"each prompt must be a string (text), got {type(p).__name__}")
+            if isinstance(p, str):
+                kinds.add("text")
+                if len(p) > MAX_PROMPT_CHARS:
+                    raise ValueError(f"a prompt is longer than {MAX_PROMPT_CHARS} characters")
+            elif isinstance(p, list):
+                kinds.add("token ids")
+                for t in p:
+                    if not _is_id(t):
+                        raise ValueError(f"a token-id prompt holds {t!r}: token ids are integers from 0 to "
+                                         f"{INT32_MAX}")
+                if len(p) > MAX_PROMPT_TOKENS:
+                    raise ValueError(f"a prompt is longer than {MAX_PROMPT_TOKENS} tokens")
+            else:
+                raise ValueError(f"each prompt must be a string (text) or a list of token ids, got "
+                                 f"{type(p).__name__}")
             if not p:
                 raise ValueError("a prompt must not be empty")
-            if len(p) > MAX_PROMPT_CHARS:
-                raise ValueError(f"a prompt is longer than {MAX_PROMPT_CHARS} characters")
+        if len(kinds) > 1:
+            raise ValueError("the prompts mix text and token ids: send one kind")
         return v
 
     @model_validator(mode="after")
@@ -153,8 +175,11 @@ class CompletionRequest(_Request):
         return self
 
     @property
-    def prompts(self) -> list[str]:
-        return self.prompt if isinstance(self.prompt, list) else [self.prompt]
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a text, or a list of token ids."""
+        if isinstance(self.prompt, str) or is_token_ids(self.prompt):
+            return [self.prompt]
+        return list(self.prompt)
 
     def choices(self) -> list["CompletionRequest"]:
         """One single-prompt, n = 1 request per choice, in the response's order (prompt-major, then n)."""
@@ -249,6 +274,15 @@ class ChatRequest(_Request):
         return req.model_copy(update={"stop": self.stop + [s for s in template.stop if s not in self.stop]})
 
 
+def _is_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX
+
+
+def is_token_ids(prompt: Any) -> bool:
+    """Whether one prompt is token ids (a non-empty list of ints), not a text or a list of prompts."""
+    return isinstance(prompt, list) and bool(prompt) and all(_is_id(t) for t in prompt)
+
+
 def _integer(v: Any) -> Any:
     if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
         raise ValueError("must be an integer")
@@ -310,14 +344,20 @@ def check_request(req: _Request, families: dict[str, FamilyLimits]) -> FamilyLim
 
 def from_proto(msg, stream: bool = False) -> dict[str, Any]:
     """A `rankserve.GenerateRequest` or `ChatRequest` -> the same dict an HTTP body would be (unset optional fields
-    left out): a chat's `logprobs: N` is HTTP's `"logprobs": true, "top_logprobs": N`; `stream`: it came through a
-    streaming RPC (what HTTP's `stream: true` says)."""
+    left out): `prompt_ids` is HTTP's prompt of token ids; a chat's `logprobs: N` is HTTP's `"logprobs": true,
+    "top_logprobs": N`; `stream`: it came through a streaming RPC (what HTTP's `stream: true` says). RequestError
+    when both prompt and prompt_ids are set."""
     chat = msg.DESCRIPTOR.name == "ChatRequest"
     d: dict[str, Any] = {"model": msg.model}
     if stream:
         d["stream"] = True
     if chat:
         d["messages"] = [{"role": m.role, "content": m.content} for m in msg.messages]
+    elif msg.prompt_ids:
+        if msg.prompt:
+            raise RequestError("prompt and prompt_ids are both set: send the prompt as text or as token ids",
+                               "prompt_ids")
+        d["prompt"] = list(msg.prompt_ids)
     else:
         d["prompt"] = msg.prompt
     for f in ("max_tokens", "temperature", "top_p", "seed", "top_k", "ignore_eos", "n") + (() if chat else ("echo",)):

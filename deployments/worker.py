@@ -190,16 +190,25 @@ class Worker:
                     max_tokens=self.spec.max_tokens, created=self.created,
                     chat_template=dataclasses.asdict(self.chat_template))
 
+    async def detokenize(self, ids: list[int]) -> dict[str, Any]:
+        """The text of a prompt sent as token ids (the router embeds it for the rank cache and echoes it): {"text"},
+        or an error event (400) naming the first id that is not a token of this model."""
+        try:
+            return dict(text=await asyncio.to_thread(self.engine.decode_prompt, ids))
+        except ValueError as e:
+            return dict(event="error", status=400, message=f"prompt: {e}", param="prompt")
+
     # ---- the two request paths --------------------------------------------------------------------------------
 
-    async def generate(self, prompt: str, sampling: dict[str, Any], cached: bool, subset: dict | None,
+    async def generate(self, prompt: str | list[int], sampling: dict[str, Any], cached: bool, subset: dict | None,
                        echo: bool = False) -> dict:
-        """`echo` with logprobs: the start event (and the result) also carry the prompt's own entries; with
-        max_new_tokens 0 nothing is generated (the prompt is only scored)."""
+        """`prompt`: a text, or token ids used as given (no BOS added). `echo` with logprobs: the start event (and
+        the result) also carry the prompt's own entries; with max_new_tokens 0 nothing is generated (the prompt is
+        only scored)."""
         async with contextlib.aclosing(self._run(prompt, sampling, cached, subset, echo)) as events:
             return fold([ev async for ev in events])
 
-    async def stream(self, prompt: str, sampling: dict[str, Any], cached: bool,
+    async def stream(self, prompt: str | list[int], sampling: dict[str, Any], cached: bool,
                      subset: dict | None, echo: bool = False) -> AsyncIterator[dict]:
         """`echo` with logprobs: the start event carries the prompt's own entries, as `generate`'s."""
         async with contextlib.aclosing(self._run(prompt, sampling, cached, subset, echo)) as events:  # closed with us
@@ -216,7 +225,7 @@ class Worker:
         finally:
             self._step_since = None
 
-    async def _run(self, prompt: str, sampling: dict[str, Any], cached: bool,
+    async def _run(self, prompt: str | list[int], sampling: dict[str, Any], cached: bool,
                    subset: dict | None, echo: bool = False) -> AsyncIterator[dict]:
         """One request: check it, queue it for a batch, pass on the events the batch loop gives it."""
         from rankserve.workers.sampler import SamplingParams
@@ -332,8 +341,8 @@ class Worker:
         tags = {"family": self.family}
         stream = None
         live: dict[int, _Pending] = {}  # the batch's row number -> its request
-        routed: dict[str, dict | None] = {}  # prompt -> the routers' subset while one of its rows runs: a prompt's
-        # n choices route once
+        routed: dict[str | tuple, dict | None] = {}  # _key(prompt) -> the routers' subset while one of its rows
+        # runs: a prompt's n choices route once
         try:
             stream = await self._call(self.engine.stream_batch, [], [], [], True)
             joining = first
@@ -382,11 +391,11 @@ class Worker:
             self.m_running.set(0, tags=tags)
 
     async def _admit(self, stream, reqs: list["_Pending"], live: dict[int, "_Pending"],
-                     routed: dict[str, dict | None]) -> None:
+                     routed: dict[str | tuple, dict | None]) -> None:
         """Prepare each request on the engine thread (check a cached subset or route a miss, score an echoed
         prompt), send its start event and add it to the batch; a failure fails that request only."""
         tags = {"family": self.family}
-        running = {r.prompt for r in live.values() if r.finish is None}
+        running = {_key(r.prompt) for r in live.values() if r.finish is None}
         for p in [p for p in routed if p not in running]:  # a batch may run for ever: keep only live prompts'
             del routed[p]
         for req in reqs:
@@ -395,10 +404,11 @@ class Worker:
                 if req.cached and self.engine.routers is not None:
                     req.subset = await self._call(self._check_subset, req.subset)
                     req.cached = req.subset is not None
-                if not req.cached and req.prompt in routed:
-                    req.subset = routed[req.prompt]
+                key = _key(req.prompt)
+                if not req.cached and key in routed:
+                    req.subset = routed[key]
                 elif not req.cached:  # a miss: the model's own routers choose (None = static ranks)
-                    req.subset = routed[req.prompt] = await self._call(self.engine.rank_subset, req.prompt)
+                    req.subset = routed[key] = await self._call(self.engine.rank_subset, req.prompt)
                     if req.subset is not None:  # None: a static family, no routers ran
                         self.m_router_runs.inc(tags=tags)
                 start = dict(event="start", prompt_tokens=req.n_prompt, subset=req.subset, cached=req.cached)
@@ -450,11 +460,16 @@ class Worker:
         req.events.put_nowait(e)
 
 
+def _key(prompt: str | list[int]) -> str | tuple[int, ...]:
+    """A prompt as a dict key (token ids as a tuple)."""
+    return prompt if isinstance(prompt, str) else tuple(prompt)
+
+
 @dataclass(eq=False)
 class _Pending:
     """One request inside a replica: what it asked for, and the queue its events go through."""
 
-    prompt: str
+    prompt: str | list[int]  # a text, or token ids
     params: Any  # SamplingParams
     n_prompt: int
     cached: bool

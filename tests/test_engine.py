@@ -179,6 +179,33 @@ def test_unseeded_sampling_leaves_the_global_rng_alone():
     assert torch.equal(torch.rand(3), a)
 
 
+def test_token_id_prompts_are_used_as_given(engine):
+    """A prompt of token ids generates and scores exactly as its text does when the ids are the text's (BOS
+    included); no BOS is added to ids; an id outside the vocabulary is refused, naming it; decode_prompt gives the
+    text back."""
+    text = "Once upon a time, there was a little girl"
+    ids = engine.tokenizer.encode(text, bos=True)
+    sp = SamplingParams(max_new_tokens=8, temperature=0, logprobs=2)
+    a, b = engine.generate(text, sp), engine.generate(ids, sp)
+    assert (b.token_ids, b.text, b.num_prompt_tokens) == (a.token_ids, a.text, a.num_prompt_tokens)
+    assert engine.encode_prompt(ids[1:]) == ids[1:]  # without a BOS: none added
+    assert [e.token for e in engine.prompt_logprobs(ids, 2)] == [e.token for e in engine.prompt_logprobs(text, 2)]
+    bare = engine.prompt_logprobs(ids[1:], 2)  # nothing precedes the first token: no logprob, as OpenAI's
+    assert bare[0].logprob is None and all(e.logprob is not None for e in bare[1:])
+    assert len(bare) == len(ids) - 1
+    assert engine.decode_prompt(ids) == text
+    ev = list(engine.stream(ids, SamplingParams(max_new_tokens=8, temperature=0)))
+    assert [e.token_id for e in ev] == a.token_ids
+    n = engine.tokenizer.vocab_size
+    for bad in ([1, n], [-1], [1, True], [2.0]):
+        with pytest.raises(ValueError, match=f"token id {bad[-1]!r} at position {len(bad) - 1} is not a token"):
+            engine.encode_prompt(bad)
+    with pytest.raises(ValueError, match="not a token"):
+        engine.decode_prompt([n + 5])
+    with pytest.raises(ValueError, match="context limit"):
+        engine.generate(ids * 200)
+
+
 def test_empty_prompt_without_bos_is_refused():
     e = Engine.load(BUNDLED)
     e.tokenizer.bos_id = None

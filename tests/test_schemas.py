@@ -35,6 +35,16 @@ def test_choices_of_prompts_and_n():
     assert parse_request(OK).choices()[0].prompt == OK["prompt"]
 
 
+def test_token_id_prompts():
+    """OpenAI's token-id shapes: [id, ...] is one prompt, [[id, ...], ...] several; each choice carries its ids."""
+    r = parse_request({**OK, "prompt": [1, 2, 3], "n": 2})
+    assert r.prompts == [[1, 2, 3]] and [c.prompt for c in r.choices()] == [[1, 2, 3], [1, 2, 3]]
+    assert [c.prompts for c in r.choices()] == [[[1, 2, 3]], [[1, 2, 3]]]  # a choice is one prompt of ids
+    r = parse_request({**OK, "prompt": [[5], [0, 7]], "echo": True, "max_tokens": 0})
+    assert r.prompts == [[5], [0, 7]] and [c.prompt for c in r.choices()] == [[5], [0, 7]]
+    assert parse_request({**OK, "prompt": ["a", "b"]}).prompts == ["a", "b"]  # texts stay texts
+
+
 def test_stop_string_or_list():
     assert parse_request({**OK, "stop": "\n"}).stop == ["\n"]
     assert parse_request({**OK, "stop": ["a", "b"]}).stop == ["a", "b"]
@@ -50,7 +60,16 @@ def test_stop_string_or_list():
     ({**OK, "prompt": ""}, "prompt", "must not be empty"),
     ({**OK, "prompt": ["a", ""]}, "prompt", "must not be empty"),
     ({**OK, "prompt": []}, "prompt", "empty list"),
-    ({**OK, "prompt": [1, 2, 3]}, "prompt", "must be a string"),  # token ids: not served
+    ({**OK, "prompt": [1, -2, 3]}, "prompt", "holds -2: token ids are integers"),
+    ({**OK, "prompt": [1, 2.5]}, "prompt", "holds 2.5"),
+    ({**OK, "prompt": [True, 1]}, "prompt", "holds True"),
+    ({**OK, "prompt": [[1, 2], [3, "x"]]}, "prompt", "holds 'x'"),
+    ({**OK, "prompt": [[1, 2], []]}, "prompt", "must not be empty"),
+    ({**OK, "prompt": [2**31]}, "prompt", "holds 2147483648"),
+    ({**OK, "prompt": ["a", [1, 2]]}, "prompt", "mix text and token ids"),
+    ({**OK, "prompt": [[1], "a"]}, "prompt", "mix text and token ids"),
+    ({**OK, "prompt": 7}, "prompt", "a string (text) or a list of token ids"),
+    ({**OK, "prompt": [[1]] * 5, "n": 2}, None, "more than 8 choices"),
     ({**OK, "prompt": ["a"] * 5, "n": 2}, None, "more than 8 choices"),
     ({**OK, "max_tokens": 0}, "max_tokens", "0 is only allowed with echo"),
     ({**OK, "max_tokens": -5}, "max_tokens", "greater than or equal to 0"),
@@ -104,6 +123,13 @@ def test_proto_goes_through_the_same_validation():
     assert req.stream and req.echo  # the streaming RPC is HTTP's stream: true, echo streams too
     with pytest.raises(RequestError, match="^n: "):
         parse_request(from_proto(pb.GenerateRequest(model="svd-llm", prompt="hi", n=0)))
+    d = from_proto(pb.GenerateRequest(model="svd-llm", prompt_ids=[1, 2, 3]))
+    assert d == {"model": "svd-llm", "prompt": [1, 2, 3]} and parse_request(d).prompts == [[1, 2, 3]]
+    with pytest.raises(RequestError, match="holds -4"):
+        parse_request(from_proto(pb.GenerateRequest(model="svd-llm", prompt_ids=[1, -4])))
+    with pytest.raises(RequestError, match="both set") as e:
+        from_proto(pb.GenerateRequest(model="svd-llm", prompt="hi", prompt_ids=[1]))
+    assert e.value.param == "prompt_ids"
 
 
 def test_proto_chat_is_the_http_chat_body():

@@ -7,7 +7,8 @@ the rank cache (visible in /metrics); the PARSE family runs its routers on a mis
 the routed and the cached subset; bad input is 400 / INVALID_ARGUMENT with a message; JSON null means the default;
 a missing or wrong key is 401 / UNAUTHENTICATED, one valid key among the headers passes; a client that goes away
 cancels its generation; the request timeout answers 408 / DEADLINE_EXCEEDED; a full queue is refused with 503 /
-UNAVAILABLE; with Redis stopped the service still answers (and picks Redis up again).
+UNAVAILABLE; with Redis stopped the service still answers (and picks Redis up again); prompts sent as token ids
+get their text's replies.
 
 Run alone:  .venv/bin/python -m pytest tests/test_serve_integration.py -q     (~2 min; needs redis-server)
 """
@@ -365,6 +366,55 @@ def test_several_prompts_and_n_choices(service, stub):
     with pytest.raises(grpc.RpcError) as e:
         stub.Generate(pb.GenerateRequest(model=family, prompt=PROMPT, n=9), metadata=GRPC_AUTH, timeout=60)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_token_id_prompts(service, stub):
+    """A prompt sent as token ids (OpenAI's [id, ...] and [[id, ...], ...]; gRPC prompt_ids) gets its text's reply;
+    echo returns the ids' decoded text; the rank cache embeds that text; an id outside the vocabulary is a 400 /
+    INVALID_ARGUMENT naming it, as is a gRPC request with both prompt and prompt_ids."""
+    from rankserve.proto import rankserve_pb2 as pb
+    from rankserve.workers.tokenizer import Tokenizer
+
+    family, other = "svd-llm", "The little dog ran to the park."
+    tok = Tokenizer.load(service.app["args"]["families"][family]["model_dir"])
+    ids, ids2 = tok.encode(PROMPT, bos=True), tok.encode(other, bos=True)
+    body = {"model": family, "max_tokens": 8, "temperature": 0}
+    by_text = post(service, {**body, "prompt": [PROMPT, other]}).json()
+    r = post(service, {**body, "prompt": [ids, ids2]})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["text"] for c in out["choices"]] == [c["text"] for c in by_text["choices"]]
+    assert out["usage"] == by_text["usage"] and r.headers["x-rankserve-rank-cache"].count(",") == 1
+    one = post(service, {**body, "prompt": ids}).json()
+    assert one["choices"][0]["text"] == by_text["choices"][0]["text"]
+    text, _ = sse(service, {**body, "prompt": ids})
+    assert text == one["choices"][0]["text"]
+
+    scored_text = post(service, {**body, "prompt": PROMPT, "echo": True, "max_tokens": 0, "logprobs": 1}).json()
+    scored = post(service, {**body, "prompt": ids, "echo": True, "max_tokens": 0, "logprobs": 1}).json()
+    assert scored["choices"][0]["text"] == PROMPT  # the ids' text (the BOS writes none)
+    assert scored["choices"][0]["logprobs"] == scored_text["choices"][0]["logprobs"]
+    _, chunks = sse(service, {**body, "prompt": ids, "echo": True})
+    assert chunks[0]["choices"][0]["text"] == PROMPT
+
+    for bad in ([1, tok.vocab_size + 3], [[1, 2], [-1]]):
+        r = post(service, {**body, "prompt": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert f"token id {tok.vocab_size + 3} at position 1" in post(
+        service, {**body, "prompt": [1, tok.vocab_size + 3]}).json()["error"]["message"]
+
+    rep = stub.Generate(pb.GenerateRequest(model=family, prompt_ids=ids, max_tokens=8, temperature=0, echo=True),
+                        metadata=GRPC_AUTH, timeout=60)
+    assert rep.text == PROMPT + by_text["choices"][0]["text"]
+    chunks = list(stub.GenerateStream(pb.GenerateRequest(model=family, prompt_ids=ids, max_tokens=8, temperature=0),
+                                      metadata=GRPC_AUTH, timeout=60))
+    assert "".join(c.text for c in chunks) == by_text["choices"][0]["text"]
+    for req, words in ((pb.GenerateRequest(model=family, prompt="hi", prompt_ids=ids), "both set"),
+                       (pb.GenerateRequest(model=family, prompt_ids=[1, tok.vocab_size + 3]), "not a token")):
+        for call in (stub.Generate, lambda *a, **k: list(stub.GenerateStream(*a, **k))):
+            with pytest.raises(grpc.RpcError) as e:
+                call(req, metadata=GRPC_AUTH, timeout=60)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details()
 
 
 def test_models_and_health(service):

@@ -251,6 +251,29 @@ def test_echo_scores_the_prompt(engine):
     assert bad["event"] == "error" and bad["status"] == 400 and bad["param"] == "max_tokens"
 
 
+def test_token_id_prompts(engine):
+    """A prompt of token ids gives its text's result (generated and echoed), the n choices of one ids prompt route
+    once (a dict key of ids), detokenize gives the text back, and an id outside the vocabulary is a 400."""
+    w = make_worker()
+    ids = engine.tokenizer.encode(PROMPT, bos=True)
+
+    async def go():
+        return await asyncio.gather(
+            w.generate(PROMPT, {**greedy(6), "logprobs": 1}, cached=False, subset=None, echo=True),
+            w.generate(ids, {**greedy(6), "logprobs": 1}, cached=False, subset=None, echo=True),
+            w.generate(ids, greedy(6), cached=False, subset=None),
+            w.generate([1, engine.tokenizer.vocab_size], greedy(6), cached=False, subset=None),
+            w.detokenize(ids), w.detokenize([-3]))
+
+    text, by_ids, again, bad, back, bad_back = asyncio.run(go())
+    assert by_ids["token_ids"] == text["token_ids"] == again["token_ids"]
+    assert by_ids["prompt_logprobs"] == text["prompt_logprobs"] and by_ids["prompt_tokens"] == text["prompt_tokens"]
+    assert bad["event"] == "error" and bad["status"] == 400 and bad["param"] == "prompt"
+    assert "is not a token of this model" in bad["message"]
+    assert back == {"text": PROMPT}
+    assert bad_back["status"] == 400 and "token id -3 at position 0" in bad_back["message"]
+
+
 def test_a_dead_batch_loop_fails_its_requests():
     """Should the batch loop itself end (a bug), its requests fail instead of waiting forever; the next request
     starts a new loop."""

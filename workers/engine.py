@@ -39,6 +39,7 @@ BATCH_BUCKETS = (1, 2, 4, 8)  # the fast path's batch sizes: a batch runs in the
 # eager forward: on the H200 at the 7B shape a replay takes 8-9 ms for <= 128 tokens and the eager forward 26-43 ms
 # for one row, ~45 ms for 8 (host-bound; bench/results/continuous-h200.md)
 PREFILL_GRAPH_ROWS = 4
+Prompt = str | list[int]  # a text (BOS added) or token ids (used as given)
 PROMPT_CHUNK = 256  # prompt positions per piece of the head when scoring a prompt (prompt_logprobs)
 LOGPROB_FLOOR = -9999.0  # what a -inf (or NaN) log-probability is reported as: JSON has no infinities
 
@@ -277,20 +278,38 @@ class Engine:
                    parse_graph_tokens=parse_graph_tokens)
 
     # --- public API ------------------------------------------------------------------------------
-    def encode_prompt(self, prompt: str, params: SamplingParams | None = None, room: int = 1) -> list[int]:
-        """The prompt's ids (BOS first); refused when empty or when it leaves fewer than `room` positions of the
-        context (1: the first generated token; 0: scoring the prompt alone)."""
-        ids = self.tokenizer.encode(prompt, bos=True)
+    def encode_prompt(self, prompt: Prompt, params: SamplingParams | None = None, room: int = 1) -> list[int]:
+        """The prompt's ids: a text's with BOS first, token ids as given (no BOS added: send it if the model wants
+        it, as with OpenAI's and vLLM's token prompts); refused when empty, when an id has no token, or when it
+        leaves fewer than `room` positions of the context (1: the first generated token; 0: scoring it alone)."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, bos=True)
+        else:
+            ids = self.check_ids(prompt)
         if not ids:
             raise ValueError("the prompt is empty and this tokenizer adds no BOS token: give at least one token")
         if len(ids) + room > self.max_seq_len:
             raise ValueError(f"prompt is {len(ids)} tokens; the context limit is {self.max_seq_len} tokens")
         return ids
 
-    def generate(self, prompt: str, params: SamplingParams | None = None, subset: dict | None = None) -> GenerationResult:
+    def check_ids(self, ids: list[int]) -> list[int]:
+        """Token ids of a prompt sent as ids: each a token of this model's tokenizer (and embedding), else
+        ValueError naming the first that is not."""
+        n = min(self.tokenizer.vocab_size, self.cfg.vocab_size)
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < n:
+                raise ValueError(f"token id {t!r} at position {i} is not a token of this model (ids 0..{n - 1})")
+        return list(ids)
+
+    def decode_prompt(self, ids: list[int]) -> str:
+        """The text of a prompt sent as token ids (what echo returns and the rank cache embeds); checked as
+        `check_ids`. BOS and EOS write no text."""
+        return self.tokenizer.decode(self.check_ids(ids))
+
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None, subset: dict | None = None) -> GenerationResult:
         return self.generate_batch([prompt], [params or SamplingParams()], subset)[0]
 
-    def generate_batch(self, prompts: list[str], params: list[SamplingParams],
+    def generate_batch(self, prompts: list[Prompt], params: list[SamplingParams],
                        subset: dict | None = None) -> list[GenerationResult]:
         """Results in the prompts' order. More prompts than max_batch_size join the running batch in order as
         rows end; with PARSE routers (and no common `subset`) batches are instead formed by subset overlap
@@ -323,7 +342,7 @@ class Engine:
         return [GenerationResult(r.released, r.ids, len(r.prompt_ids), r.finish or "length",
                                  r.released_logprobs() if r.params.logprobs is not None else None) for r in rows]
 
-    def stream(self, prompt: str, params: SamplingParams | None = None, subset: dict | None = None) -> Iterator[StreamEvent]:
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, subset: dict | None = None) -> Iterator[StreamEvent]:
         """Yield one event per generated token; closing the generator cancels the request."""
         params = params or SamplingParams()
         row = _Row(self.encode_prompt(prompt, params), params, self.eos)
@@ -340,7 +359,7 @@ class Engine:
             batch.close()
 
     @torch.inference_mode()
-    def prompt_logprobs(self, prompt: str, top: int = 0, subset: dict | None = None) -> list[TokenLogprob]:
+    def prompt_logprobs(self, prompt: Prompt, top: int = 0, subset: dict | None = None) -> list[TokenLogprob]:
         """Each prompt token's log-probability given the tokens before it, and the `top` most likely tokens at its
         position (one teacher-forced forward; OpenAI's `echo` with `logprobs`). The BOS the engine prepends has no
         entry; without a BOS the first token has no context and its logprob is None. `offset` counts characters
@@ -383,7 +402,7 @@ class Engine:
             offset += len(t_text)
         return out
 
-    def stream_batch(self, prompts: list[str], params: list[SamplingParams],
+    def stream_batch(self, prompts: list[Prompt], params: list[SamplingParams],
                      subsets: list[dict | None] | None = None, checked: bool = False) -> "BatchStream":
         """Requests decoding together, one step per `next()`, rows numbered 0.. in order; more may join between
         steps (`BatchStream.add`). `subsets`: each row's PARSE rank subset (`rank_subset` or the rank cache's),
@@ -489,7 +508,7 @@ class Engine:
         if freed and self.device.type == "cuda":
             torch.cuda.empty_cache()  # the dropped caches and graph pools go back to the device
 
-    def rank_subset(self, prompt: str) -> dict | None:
+    def rank_subset(self, prompt: Prompt) -> dict | None:
         """PARSE rank subset the routers choose for `prompt` (one extra prefill); None without PARSE routers."""
         if self.routers is None:
             return None
@@ -860,7 +879,7 @@ class BatchStream:
         self.rows: dict[int, _Row] = {}  # the rows not yet finished (or finished at the last step)
         self._next_id = 0
 
-    def add(self, prompt: str, params: SamplingParams, subset: dict | None = None, checked: bool = False) -> int:
+    def add(self, prompt: Prompt, params: SamplingParams, subset: dict | None = None, checked: bool = False) -> int:
         """Queue a request to join at the next step; -> its row number. `subset`: its PARSE rank subset (required
         on a PARSE model, None on a static one); `checked`: it came from `rank_subset` or `parse.validate`.
         Raises ValueError for a bad prompt or subset, or when `room()` is 0."""
