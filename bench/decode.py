@@ -50,7 +50,9 @@ EXTRA_ROWS = {"fusedattn": dict(attn_merge="fused"), "persist4": dict(persistent
               "nosplit": dict(split_k=1), "split2": dict(split_k=2),
               "pdl": dict(pdl="on"), "fused": dict(fuse_norm=True), "pdl-fused": dict(pdl="on", fuse_norm=True),
               # B = 1: the per-kernel step (the default there is the one-launch step, kernels/step_kernel.py)
-              "perkernel": dict(one_launch=False), "perkernel-greedy": dict(one_launch=False, greedy=True)}
+              "perkernel": dict(one_launch=False), "perkernel-greedy": dict(one_launch=False, greedy=True),
+              # B > 1: the whole step in one persistent launch (kernels/step_rows.py; the default there is per-kernel)
+              "rows": dict(one_launch=True), "rows-greedy": dict(one_launch=True, greedy=True)}
 DTYPES = {"cuda": torch.bfloat16, "cpu": torch.float32}  # the CPU run is a smoke test of this script, not a figure
 
 
