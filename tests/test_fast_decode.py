@@ -254,12 +254,66 @@ def test_one_launch_step_with_the_gpu_tiles(monkeypatch):
     _assert_steps_close([g.reshape(r.shape) for g, r in zip(got, ref)], ref)
 
 
+@pytest.mark.parametrize("kind,splits,B,cover", [("uneven", 1, 3, 0), ("shared", 3, 2, 8), ("wide", 2, 5, 8)])
+def test_rows_step_matches_eager(kind, splits, B, cover):
+    """one_launch=True at B > 1 (kernels/step_rows.py: the step for B rows in one persistent kernel, tensor-core
+    tiles) gives each row's eager logits step after step, the rows at different positions (prompts of different
+    lengths), with 1-3 attention splits merged by the last split of each (row, kv head); with the V stages'
+    reduction split into chunks whose partials (and the RMSNorm's sums of squares) add up with atomics (`cover`:
+    as if 8 programs ran, the interpreter's one program takes every chunk)."""
+    from dataclasses import astuple
+
+    from rankserve.kernels.step_rows import RowsConfig
+    from rankserve.kernels.step_kernel import SLOTS
+    model = _model(kind)
+    lengths = torch.tensor([7, 4, 6, 2, 5][:B])
+    prompt = torch.randint(0, CFG.vocab_size, (B, 7))
+    steps = [torch.randint(0, CFG.vocab_size, (B,)) for _ in range(3)]
+    with torch.no_grad():
+        cache = KVCache(CFG.num_hidden_layers, B, 40, CFG.num_key_value_heads, CFG.head_dim)
+        ref = [model(prompt, cache, lengths, last_only=True)] + [model(t[:, None], cache, last_only=True)
+                                                                  for t in steps]
+        dec = FastDecoder(model, DecodeConfig(batch_size=B, max_seq_len=40, graph="none", num_splits=splits,
+                                              one_launch=True, one_launch_tiles=astuple(RowsConfig(min_tiles=1))))
+        dec.step_kernel.cover = cover
+        got = [dec.prefill(prompt, lengths)] + [dec.step(t).clone() for t in steps]
+    assert type(dec.step_kernel).__name__ == "RowsStepKernel" and dec.dcfg.fused()
+    _assert_steps_close(got, ref)
+    # one program under the interpreter: it counted itself done in every stage (slot 3 unused) and the head; each
+    # (row, kv head)'s merge counter saw its splits
+    L, Hkv, n = CFG.num_hidden_layers, CFG.num_key_value_heads, int(SLOTS)
+    ctr = dec.step_kernel.ctr
+    lines = ctr[:(L * n + 2) * 32].view(-1, 32)[:, 0].tolist()
+    assert dec.step_kernel.grid == (1,) and lines == [1] + [1, 1, 1, 0, 1, 1, 1, 1, 1, 1] * L + [1]
+    assert ctr[(L * n + 2) * 32:].tolist() == [splits if splits > 1 else 0] * (L * B * Hkv)
+
+
+def test_auto_one_launch_decides_before_packing():
+    """auto_one_launch keeps a given one_launch and decides None: off on the CPU (and the torch backend), so the
+    layers are packed unfolded at B > 1 there; the engine and ParseSlots resolve it before packing (masked PARSE
+    slots at B > 1 always per-kernel)."""
+    from rankserve.workers.fast_decode import auto_one_launch
+    m = _model("uneven")
+    assert auto_one_launch(DecodeConfig(batch_size=4), m).one_launch is False  # CPU
+    assert auto_one_launch(DecodeConfig(batch_size=4, one_launch=True), m).one_launch is True
+    d = auto_one_launch(DecodeConfig(batch_size=4, backend="torch"), m)
+    assert d.one_launch is False and not d.fused()
+    assert DecodeConfig(batch_size=4, one_launch=True).fused() and not DecodeConfig(batch_size=4).fused()
+    with pytest.raises(ValueError, match="B <= 16"):
+        FastDecoder(m, DecodeConfig(batch_size=17, max_seq_len=40, graph="none", one_launch=True))
+
+
 def test_one_launch_refuses_what_it_cannot_run():
     from rankserve.kernels.step_kernel import StepKernelConfig, check_aligned
-    with pytest.raises(ValueError, match="one_launch runs B = 1"):
-        DecodeConfig(batch_size=2, one_launch=True)
-    with pytest.raises(ValueError, match="one_launch runs B = 1"):
+    from rankserve.kernels.step_rows import RowsConfig
+    with pytest.raises(ValueError, match="one_launch runs on the triton backend"):
+        DecodeConfig(batch_size=2, one_launch=True, backend="torch")
+    with pytest.raises(ValueError, match="one_launch runs on the triton backend"):
         DecodeConfig(batch_size=1, one_launch=True, gemv="cublas")
+    with pytest.raises(ValueError, match="powers of two"):
+        RowsConfig(v=(8, 256))
+    # B > 1 is not picked by default (the per-kernel step, unfused norms)
+    assert FastDecoder(_model("uneven"), DecodeConfig(batch_size=2, max_seq_len=40, graph="none")).step_kernel is None
     with pytest.raises(ValueError, match="dense layers"):
         FastDecoder(_model("mixed"), DecodeConfig(batch_size=1, max_seq_len=40, graph="none", one_launch=True))
     # the default picks it only where it was measured: a Hopper GPU (never on CPU)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from rankserve.workers.align import GPU_ALIGN, pad_ranks
 from rankserve.workers.checkpoint import Manifest, load_checkpoint
-from rankserve.workers.fast_decode import DecodeConfig, FastDecoder
+from rankserve.workers.fast_decode import DecodeConfig, FastDecoder, auto_one_launch
 from rankserve.workers.host import upload
 from rankserve.workers.kv_cache import KVCache
 from rankserve.workers.model import Transformer
@@ -452,7 +452,9 @@ class Engine:
             return self._slots[(B, S)].decoder
         if (B, S) not in self._decoders:
             self._make_room(B, S, parse=False)
-            dcfg = DecodeConfig(batch_size=B, max_seq_len=S, backend=mode, graph=graph, greedy=True)
+            # decided before packing: the one-launch steps fold the norms (decoders of B = 1..16 then share a pack)
+            dcfg = auto_one_launch(DecodeConfig(batch_size=B, max_seq_len=S, backend=mode, graph=graph, greedy=True),
+                                   self.model)
             self._decoders[(B, S)] = FastDecoder(self.model, dcfg, packed=self._packed.get(dcfg.fused()))
             self._packed[dcfg.fused()] = self._decoders[(B, S)].layers  # decoders of one layout share one copy
             self._held[("dec", B, S)] = _cache_bytes(self._decoders[(B, S)])

@@ -8,9 +8,10 @@ and the LM head is one more GEMV with the final norm folded in, writing fp32 log
 launched with programmatic dependent launch (`pdl`), so each one's launch and first weight loads overlap the
 previous kernel's tail. `fuse_norm=False` keeps separate RMSNorm(+residual) kernels (twelve a layer).
 A layer with a dense projection runs the same step with torch ops (`backend="torch"` does so everywhere).
-At B = 1 on Hopper (`one_launch`, the default there when every layer is factorized) the whole step is instead one
-persistent kernel whose stages are ordered by counters on the device (kernels/step_kernel.py), and with
-`greedy=True` the step ends with the argmax of its logits written into the next input token (`step_greedy`).
+On Hopper (`one_launch`, the default there for B <= 16 when every layer is factorized: auto_one_launch) the whole
+step is instead one persistent kernel whose stages are ordered by counters on the device (kernels/step_kernel.py at
+B = 1, kernels/step_rows.py for 2..16 rows), and with `greedy=True` the step ends with the argmax of its logits
+written into the next input token (`step_greedy`).
 
 Packing is derived at load time (never stored); a Basis Sharing basis is packed once per group per layer
 (it is concatenated with the layer's other factors, so each layer's packed copy is its own).
@@ -21,7 +22,7 @@ on the device, so one step is captured as a CUDA graph (`graph="step"`), or one 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -64,18 +65,18 @@ class DecodeConfig:
     # end every step with the argmax of its logits, written into the next input token inside the graph
     # (step_greedy: greedy decoding replays one graph a token and launches nothing else)
     greedy: bool = False
-    # B = 1: the whole step in one persistent launch (kernels/step_kernel.py: stages ordered by counters on the
-    # device instead of kernel boundaries). None = the measured winner: on at B = 1 on a Hopper-or-newer GPU when
-    # every layer is factorized with ranks padded to 16 (2.822 vs 3.222 ms/token on the H200, decode-log.md), else off
+    # the whole step in one persistent launch (B = 1: kernels/step_kernel.py; B > 1: kernels/step_rows.py, tensor-core
+    # tiles for the rows; stages ordered by counters on the device instead of kernel boundaries). None = the measured
+    # winner: on at B = 1 on a Hopper-or-newer GPU when every layer is factorized with ranks padded to 16 (2.822 vs
+    # 3.222 ms/token on the H200, decode-log.md), else off. True at B > 1 folds the norms (fuse_norm) as B = 1 does
     one_launch: bool | None = None
-    # its StepKernelConfig fields in declaration order (kernels/step_kernel.py: programs per SM, item rows and
-    # widths, pipeline depths, warps, L2-prefetched tiles, ...); None = the defaults
+    # its StepKernelConfig fields (B = 1) or RowsConfig fields (B > 1) in declaration order (programs per SM, item
+    # rows and widths, pipeline depths, warps, ...); None = the defaults
     one_launch_tiles: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.one_launch and (self.batch_size != 1 or self.backend != "triton" or self.fuse_norm is False
-                                or self.gemv == "cublas"):
-            raise ValueError("one_launch runs B = 1 on the triton backend with fused norms and Triton GEMVs")
+        if self.one_launch and (self.backend != "triton" or self.fuse_norm is False or self.gemv == "cublas"):
+            raise ValueError("one_launch runs on the triton backend with fused norms and Triton GEMVs")
         if self.attn_merge not in ("separate", "fused"):
             raise ValueError(f"attn_merge must be 'separate' or 'fused', got {self.attn_merge!r}")
         if self.gemv_stages is not None and self.gemv_stages < 0:
@@ -101,8 +102,28 @@ class DecodeConfig:
 
     def fused(self) -> bool:
         """Whether the ten-kernel fused layer runs (Triton GEMVs and fuse_norm, or its B-dependent default)."""
-        on = self.batch_size == 1 if self.fuse_norm is None else self.fuse_norm
+        on = (self.batch_size == 1 or bool(self.one_launch)) if self.fuse_norm is None else self.fuse_norm
         return self.backend == "triton" and self.gemv in ("auto", "triton") and on
+
+
+ROWS_MAX = 16  # the B > 1 one-launch step pads the rows to 16 for the tensor cores (kernels/step_rows.py)
+
+
+def auto_one_launch(dcfg: DecodeConfig, model: Transformer) -> DecodeConfig:
+    """dcfg with `one_launch` decided where it is None, before the layers are packed (it folds the norms): on where
+    it was measured faster on the H200 (decode-log.md): B = 1 (2.82 vs 3.22 ms/token) and B = 2..16 (B = 2 / 4 / 8
+    3.46 / 3.57 / 3.61 vs 3.96 / 4.02 / 4.10 ms a step at keep 0.6; keep 0.8 4.90 vs 4.89), on a Hopper-or-newer GPU,
+    with Triton GEMVs and every projection factorized at a rank padded to 16 (workers/align.py), heads of >= 128
+    bytes; off elsewhere (the CPU, the torch backend, dense layers, PARSE's masked slots)."""
+    if dcfg.one_launch is not None:
+        return dcfg
+    dev = model.embed.weight.device
+    lins = model.projections().values()
+    on = (dcfg.backend == "triton" and dcfg.gemv in ("auto", "triton") and dcfg.fuse_norm is not False
+          and dcfg.batch_size <= ROWS_MAX and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
+          and model.cfg.head_dim * model.embed.weight.element_size() >= 128
+          and all(l.factorized and l.rank % 16 == 0 for l in lins))
+    return replace(dcfg, one_launch=on)
 
 
 def _masked(t: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
@@ -181,6 +202,8 @@ class FastDecoder:
     """
 
     def __init__(self, model: Transformer, dcfg: DecodeConfig, packed: list[_Layer] | None = None) -> None:
+        self._auto = dcfg.one_launch is None  # decided here (auto_one_launch): a misaligned weight falls back softly
+        dcfg = auto_one_launch(dcfg, model)
         self.model, self.dcfg, self.cfg = model, dcfg, model.cfg
         cfg, B = model.cfg, dcfg.batch_size
         dev, dt = model.embed.weight.device, model.embed.weight.dtype
@@ -197,12 +220,13 @@ class FastDecoder:
         if self.use_triton:  # imported lazily: the torch backend must work without triton
             from rankserve.kernels import argmax as _argmax
             from rankserve.kernels import step_kernel as _step
+            from rankserve.kernels import step_rows as _rows
             from rankserve.kernels import decode_attention as _attn
             from rankserve.kernels import gate_up as _gu
             from rankserve.kernels import lowrank_linear as _ll
             from rankserve.kernels import qkv_rope as _qkv
             from rankserve.kernels import rmsnorm as _rms
-            self._k = dict(argmax=_argmax, attn=_attn, gu=_gu, ll=_ll, qkv=_qkv, rms=_rms, step=_step)
+            self._k = dict(argmax=_argmax, attn=_attn, gu=_gu, ll=_ll, qkv=_qkv, rms=_rms, step=_step, rows=_rows)
             if dcfg.pdl == "on" and not _ll.pdl_supported(dev):
                 raise ValueError("pdl='on' needs a Hopper-or-newer GPU and a triton with griddepcontrol")
             self.pdl = dcfg.pdl == "on" or (dcfg.pdl == "auto" and B == 1 and _ll.pdl_supported(dev))
@@ -235,8 +259,10 @@ class FastDecoder:
                    [l.proj[p].rank or 0 for l in self.layers for p in ("o", "down")] + [1])
         self.t = z(B, rmax, dtype=torch.float32)  # rank-space scratch, fp32
         self.logits = z(B, cfg.vocab_size, dtype=torch.float32)
-        kcfg = (self._k["step"].StepKernelConfig(*(dcfg.one_launch_tiles or ()))
-                if self.use_triton and self._one_launch(dcfg, dev) else None)
+        kcfg = None
+        if self.use_triton and self._one_launch(dcfg, dev):
+            kcfg = (self._k["step"].StepKernelConfig(*(dcfg.one_launch_tiles or ())) if B == 1 else
+                    self._k["rows"].RowsConfig(*(dcfg.one_launch_tiles or ())))
         if kcfg is not None and not dcfg.num_splits:
             # one persistent launch: attention items share the step's programs, so split the keys finer (a split of
             # >= 64 keys, one tile): 4 splits at 256 cached keys measured 3.093 -> 3.045 ms (bench/step_trace.py)
@@ -256,36 +282,32 @@ class FastDecoder:
             bufs = dict(x=self.x, t=self.t, q=self.q, a=self.a, m=self.m, logits=self.logits, k_cache=self.cache.k,
                         v_cache=self.cache.v, seqlens=self.cache.seqlens, cos=self.cos, sin=self.sin,
                         mid_o=self.mid_o, mid_lse=self.mid_lse)
-            self.step_kernel = _sk.StepKernel(self.layers, self.head_n, bufs, cfg, self.num_splits, kcfg)
+            self.step_kernel = (_sk.StepKernel(self.layers, self.head_n, bufs, cfg, self.num_splits, kcfg) if B == 1
+                                else self._k["rows"].RowsStepKernel(self.layers, self.head_n, bufs, cfg,
+                                                                    self.num_splits, B, kcfg))
 
     def _one_launch(self, dcfg: DecodeConfig, dev: torch.device) -> bool:
-        """Whether the step runs as one persistent launch: asked for (errors say why it cannot), or by default
-        where it was measured faster (B = 1, Hopper+, every layer factorized with fused norms, ranks padded to 16)."""
-        if dcfg.one_launch is False or not self.fuse:
+        """Whether the step runs as one persistent launch (dcfg.one_launch, decided by auto_one_launch when not
+        given): asked for, errors say why it cannot; decided by default, a weight that is not 32-byte aligned falls
+        back to the per-kernel step."""
+        if not dcfg.one_launch or not self.fuse:
             if dcfg.one_launch:
                 raise ValueError("one_launch needs fused norms and Triton GEMVs")
             return False
-        eligible = all(l.folded for l in self.layers)
+        if dcfg.batch_size > ROWS_MAX:
+            raise ValueError(f"one_launch runs B <= {ROWS_MAX} rows, got {dcfg.batch_size}")
+        if not all(l.folded for l in self.layers):
+            raise ValueError("one_launch needs every layer factorized (fused norms); this model has dense layers")
         # on the GPU its attention asks L2 for whole 128-byte lines of a head: smaller heads (stories260K's 8) don't
         # fit it (the CPU interpreter has no prefetch)
-        big_heads = dev.type != "cuda" or self.cfg.head_dim * self.model.embed.weight.element_size() >= 128
-        if dcfg.one_launch:
-            if not eligible:
-                raise ValueError("one_launch needs every layer factorized (fused norms); this model has dense layers")
-            if not big_heads:
-                raise ValueError(f"one_launch needs heads of >= 128 bytes; this model's are {self.cfg.head_dim} "
-                                 "elements")
-            return True
-        if not big_heads:
-            return False
-        if not (dcfg.batch_size == 1 and eligible and dev.type == "cuda"
-                and torch.cuda.get_device_capability(dev)[0] >= 9):
-            return False
-        try:  # ranks padded to 16 and weights 32-byte aligned, or the per-kernel step
-            for L in self.layers:
-                self._k["step"].check_aligned(*self._k["step"].layer_weights(L))
-        except ValueError:
-            return False
+        if dev.type == "cuda" and self.cfg.head_dim * self.model.embed.weight.element_size() < 128:
+            raise ValueError(f"one_launch needs heads of >= 128 bytes; this model's are {self.cfg.head_dim} elements")
+        if self._auto:
+            try:  # ranks padded to 16 and weights 32-byte aligned, or the per-kernel step
+                for L in self.layers:
+                    self._k["step"].check_aligned(*self._k["step"].layer_weights(L))
+            except ValueError:
+                return False
         return True
 
     def _plan_splits(self, dev: torch.device) -> None:

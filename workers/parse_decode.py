@@ -34,6 +34,7 @@ before and after: bench/results/parse-joins-h200.md.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from typing import Iterator
 
 import numpy as np
@@ -87,6 +88,8 @@ class ParseSlots:
 
     def __init__(self, pool: Transformer, routers: Routers, dcfg: DecodeConfig, align: int = 1) -> None:
         B = dcfg.batch_size
+        if B > 1 and dcfg.one_launch is None:  # masked slots run the per-kernel step (its kernels take the masks)
+            dcfg = replace(dcfg, one_launch=False)
         self.pool, self.routers, self.B = pool, routers, B
         # align GPU_ALIGN on the GPU (workers/align.py); B > 1: at least LIVE_ALIGN (the live widths' granularity)
         self.widths = slot_widths(routers, B, align if B == 1 else max(align, LIVE_ALIGN))
