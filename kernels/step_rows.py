@@ -18,7 +18,8 @@ with the per-kernel step as baseline): svd-llm keep 0.6 B = 2 / 4 / 8 3.460 / 3.
 3.959 / 4.016 / 4.099 (-11 to -13 %), dobi 3.747 vs 4.200, basis-sharing 4.132 vs 4.551, prompt 2048 at B = 8 5.254
 vs 5.890; keep 0.8 4.904 vs 4.894 (even). The V stages split their reduction into chunks so every program has an item,
 the partials (and the RMSNorm's sums of squares) added with atomics into zeroed fp32 buffers; the U stage after a
-normed V stage scales its output by 1 / rms.
+normed V stage scales its output by 1 / rms. With PARSE slots' masks it works (tests/test_parse_decode.py) but was
+measured slower than their per-kernel step (6.049 vs ~4.42 ms at B = 8, decode-log.md), so ParseSlots keeps that.
 
 Scheduling and coherence are step_kernel.py's: items dealt by rank from an atomic ticket, a done counter a stage
 (acquire / release), every program resident at once (RowsStepKernel caps the grid at the compiled occupancy; one
@@ -38,6 +39,7 @@ from rankserve.kernels.step_kernel import (PAD, SLOTS, _leave, _mine, _offset, _
                                            _weight, check_aligned, layer_weights, resident_programs)
 
 Tile = tuple[int, int]  # (weight rows an item, columns a step of the reduction)
+META_ROW = tl.constexpr(23)  # a layer's table row: 11 weight offsets, 7 ranks, 4 keep columns, its live widths' offset
 
 
 @dataclass
@@ -84,13 +86,13 @@ def _dot(x, wT, acc):
 
 
 @triton.jit(noinline=True)
-def _rows_gemv(ctr_ptr, rank, P, sid, prev, target, x_ptr, stride_x, w_ptr, y_ptr, stride_y, N, K, B, eps,
+def _rows_gemv(ctr_ptr, rank, P, sid, prev, target, x_ptr, stride_x, w_ptr, y_ptr, stride_y, N, K, K_run, B, eps,
                NORM: tl.constexpr, RESIDUAL: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    """y[b, n] (+)= sum_k w[n, k] x[b, k] (NORM: / rms(x[b])) for rows b < B and n < N, BLOCK_N weight rows an item:
-    one software-pipelined loop over (this program's items x tiles of K), the weight tile and the rows' tile of x
-    (from L2: .cg) a step."""
-    nk = tl.cdiv(K, BLOCK_K)
+    """y[b, n] (+)= sum_k w[n, k] x[b, k] for k < K_run (NORM: / rms(x[b])) for rows b < B and n < N (w: rows of
+    K), BLOCK_N weight rows an item: one software-pipelined loop over (this program's items x tiles of K_run), the
+    weight tile and the rows' tile of x (from L2: .cg) a step. K_run < K: PARSE slots' live width (the union)."""
+    nk = tl.cdiv(K_run, BLOCK_K)
     mine = _mine(tl.cdiv(N, BLOCK_N), rank, P)
     _wait(ctr_ptr, prev, target, mine > 0)
     offs_b = tl.arange(0, B_PAD)
@@ -102,7 +104,7 @@ def _rows_gemv(ctr_ptr, rank, P, sid, prev, target, x_ptr, stride_x, w_ptr, y_pt
         offs_n = i * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = kc * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_n = offs_n < N
-        mask_k = offs_k < K
+        mask_k = offs_k < K_run
         wT = tl.load(w_ptr + offs_n[None, :] * K + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :],
                      other=0.0, eviction_policy="evict_first")  # (BLOCK_K, BLOCK_N)
         xk = tl.load(x_ptr + offs_b[:, None] * stride_x + offs_k[None, :], mask=mask_b[:, None] & mask_k[None, :],
@@ -126,16 +128,22 @@ def _rows_gemv(ctr_ptr, rank, P, sid, prev, target, x_ptr, stride_x, w_ptr, y_pt
 
 
 @triton.jit(noinline=True)
-def _rows_v_split(ctr_ptr, rank, P, sid, prev, target, x_ptr, stride_x, w_ptr, t_ptr, stride_t, ss_ptr, N, K, B,
-                  cover, NORM: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  STAGES: tl.constexpr, MIN_TILES: tl.constexpr):
-    """t[b, n] += sum_k w[n, k] x[b, k] over items (block of BLOCK_N weight rows, chunk of the reduction): the
-    reduction is split so that `cover` programs (the grid) each have an item (few-row V stages: o V and down V have
-    77 / 112 blocks of 16 rows at the 7B shape against 264 programs), at least MIN_TILES tiles a chunk; each item adds its partial into t
-    (fp32, zeroed before the step) with relaxed atomics. NORM: the items of row block 0 also add their chunk's sum of
-    squares of x[b] into ss[b]; the consuming U stage scales by 1 / rms (t is linear in x)."""
+def _rows_v_split(ctr_ptr, rank, P, sid, prev, target, x_ptr, stride_x, w_ptr, t_ptr, stride_t, ss_ptr, s1, s2, l0,
+                  l1, l2, K, B, cover, keep_ptr, stride_keep, NORM: tl.constexpr, B_PAD: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, MIN_TILES: tl.constexpr,
+                  KEEP: tl.constexpr):
+    """t[b, n] += sum_k w[n, k] x[b, k] for the rows n of up to three segments, [0, l0), [s1, s1 + l1) and
+    [s2, s2 + l2) (a packed matrix's projections; PARSE slots: the live rows of each), over items (block of BLOCK_N
+    rows of a segment, chunk of the reduction): the reduction is split so that `cover` programs (the grid) each have
+    an item (few-row V stages: o V and down V have 77 / 112 blocks of 16 rows at the 7B shape against 264 programs),
+    at least MIN_TILES tiles a chunk; each item adds its partial into t (fp32, zeroed before the step) with relaxed
+    atomics. NORM: the items of row block 0 also add their chunk's sum of squares of x[b] into ss[b]; the consuming U
+    stage scales by 1 / rms (t is linear in x). KEEP (PARSE slots): t[b, n] only where keep[b, n] (row b's
+    components); a block of weight rows no row keeps reads no weights."""
     nk = tl.cdiv(K, BLOCK_K)
-    nrb = tl.cdiv(N, BLOCK_N)
+    b0 = tl.cdiv(l0, BLOCK_N)
+    b1 = tl.cdiv(l1, BLOCK_N)
+    nrb = b0 + b1 + tl.cdiv(l2, BLOCK_N)
     split = tl.maximum(1, tl.minimum(tl.cdiv(cover, nrb), nk // MIN_TILES))
     ck = tl.cdiv(nk, split)  # tiles a chunk
     split = tl.cdiv(nk, ck)  # chunks, none empty
@@ -152,10 +160,17 @@ def _rows_v_split(ctr_ptr, rank, P, sid, prev, target, x_ptr, stride_x, w_ptr, t
         rb = i // split
         kc = (i - rb * split) * ck + kt
         last = kt == ck - 1
-        offs_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+        start = tl.where(rb < b0, rb * BLOCK_N, tl.where(rb < b0 + b1, s1 + (rb - b0) * BLOCK_N,
+                                                        s2 + (rb - b0 - b1) * BLOCK_N))
+        end = tl.where(rb < b0, l0, tl.where(rb < b0 + b1, s1 + l1, s2 + l2))
+        offs_n = start + tl.arange(0, BLOCK_N)
         offs_k = kc * BLOCK_K + tl.arange(0, BLOCK_K)
-        mask_n = offs_n < N
+        mask_n = offs_n < end
         mask_k = offs_k < K  # the last chunk may hold fewer tiles: the rest masked (no traffic)
+        if KEEP:  # (B_PAD, BLOCK_N) 0/1; nobody's rows: no weight traffic (read again a step: from L1/L2)
+            kp = tl.load(keep_ptr + offs_b[:, None] * stride_keep + offs_n[None, :],
+                         mask=mask_b[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+            mask_n = mask_n & (tl.max(kp, axis=0) > 0)
         wT = tl.load(w_ptr + offs_n[None, :] * K + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :],
                      other=0.0, eviction_policy="evict_first")  # (BLOCK_K, BLOCK_N)
         xk = tl.load(x_ptr + offs_b[:, None] * stride_x + offs_k[None, :], mask=mask_b[:, None] & mask_k[None, :],
@@ -165,6 +180,8 @@ def _rows_v_split(ctr_ptr, rank, P, sid, prev, target, x_ptr, stride_x, w_ptr, t
             xf = xk.to(tl.float32)
             ss += tl.sum(xf * xf, axis=1)
         if last:
+            if KEEP:
+                acc = acc * kp
             tl.atomic_add(t_ptr + offs_b[:, None] * stride_t + offs_n[None, :], acc,
                           mask=mask_b[:, None] & mask_n[None, :], sem="relaxed")
             if NORM:
@@ -185,11 +202,11 @@ def _inv_rms(ss_ptr, K, eps, B, B_PAD: tl.constexpr):
 
 @triton.jit(noinline=True)
 def _rows_gate_up(ctr_ptr, rank, P, sid, prev, target, t_ptr, stride_t, ss_ptr, hidden, eps, ug_ptr, uu_ptr, m_ptr,
-                  stride_m, N, rg, ru, B, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  stride_m, N, rg, ru, lg, lu, B, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   STAGES: tl.constexpr):
     """m[b, n] = silu(Ug[n] . t[b, :rg] / rms_b) * (Uu[n] . t[b, rg:] / rms_b) for rows b < B, n < N (pipelined as
-    _rows_gemv; rms_b from gate/up V's sum of squares)."""
-    nk = tl.cdiv(tl.maximum(rg, ru), BLOCK_K)
+    _rows_gemv; rms_b from gate/up V's sum of squares); lg <= rg, lu <= ru: the components read (PARSE slots)."""
+    nk = tl.cdiv(tl.maximum(lg, lu), BLOCK_K)
     mine = _mine(tl.cdiv(N, BLOCK_N), rank, P)
     _wait(ctr_ptr, prev, target, mine > 0)
     offs_b = tl.arange(0, B_PAD)
@@ -201,8 +218,8 @@ def _rows_gate_up(ctr_ptr, rank, P, sid, prev, target, t_ptr, stride_t, ss_ptr, 
         offs_n = i * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = kc * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_n = offs_n < N
-        mg = offs_k < rg
-        mu = offs_k < ru
+        mg = offs_k < lg
+        mu = offs_k < lu
         wg = tl.load(ug_ptr + offs_n[None, :] * rg + offs_k[:, None], mask=mg[:, None] & mask_n[None, :], other=0.0,
                      eviction_policy="evict_first")
         wu = tl.load(uu_ptr + offs_n[None, :] * ru + offs_k[:, None], mask=mu[:, None] & mask_n[None, :], other=0.0,
@@ -225,16 +242,16 @@ def _rows_gate_up(ctr_ptr, rank, P, sid, prev, target, t_ptr, stride_t, ss_ptr, 
 
 @triton.jit(noinline=True)
 def _rows_qkv_u(ctr_ptr, rank, P, sid, prev, target, t_ptr, stride_t, ss_ptr, hidden, eps, w_ptr, off_q, off_k,
-                off_v, rq, rk, rv,
+                off_v, rq, rk, rv, lq, lk, lv,
                 cos_ptr, sin_ptr, seqlens_ptr, q_ptr, kc_ptr, vc_ptr, stride_kb, stride_ks, stride_kh, B,
                 H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, B_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """Item (head p of q|k|v, chunk of BLOCK_D dims of each half): rows (d, d + HALF) of that head for every row b,
     RoPE on q and k at the row's position seqlens[b], q stored, k and v written into row b's cache at that position
     (kc/vc: this layer's). Pipelined as _rows_gemv over the largest of the three ranks (masked beyond each's own);
-    the output scaled by 1 / rms of x (q/k/v V's sum of squares)."""
+    the output scaled by 1 / rms of x (q/k/v V's sum of squares). lq, lk, lv: the components read (PARSE slots)."""
     NC: tl.constexpr = (HALF + BLOCK_D - 1) // BLOCK_D
-    nk = tl.cdiv(tl.maximum(tl.maximum(rq, rk), rv), BLOCK_K)
+    nk = tl.cdiv(tl.maximum(tl.maximum(lq, lk), lv), BLOCK_K)
     mine = _mine((H + 2 * HKV) * NC, rank, P)
     _wait(ctr_ptr, prev, target, mine > 0)
     offs_b = tl.arange(0, B_PAD)
@@ -247,7 +264,7 @@ def _rows_qkv_u(ctr_ptr, rank, P, sid, prev, target, t_ptr, stride_t, ss_ptr, hi
         rows = head * (2 * HALF) + offs_d  # dims d of the head; their RoPE partners are rows + HALF
         mask_d = offs_d < HALF
         offs_k = kc * BLOCK_K + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < r
+        mask_k = offs_k < tl.where(p < H, lq, tl.where(p < H + HKV, lk, lv))
         mask_w = mask_k[:, None] & mask_d[None, :]
         w1 = tl.load(u_ptr + rows[None, :] * r + offs_k[:, None], mask=mask_w, other=0.0,
                      eviction_policy="evict_first")  # (BLOCK_K, BLOCK_D)
@@ -336,23 +353,42 @@ def _rows_attention(ctr_ptr, rank, P, sid, prev, target, q_ptr, kc_ptr, vc_ptr, 
 
 
 @triton.jit
+def _live(lp, j, r):
+    """Components in use of projection j (PROJS order) from the layer's live widths, at most its slot width r."""
+    return tl.multiple_of(tl.minimum(tl.load(lp + j), r), 16)
+
+
+@triton.jit
 def _rows_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, tz_ptr, q_ptr, a_ptr, m_ptr, logits_ptr, kc_ptr, vc_ptr,
-                 seqlens_ptr, cos_ptr, sin_ptr, mid_o_ptr, mid_lse_ptr, ctr_ptr,
-                 B, L, hidden, inter, vocab, rmax, cover, stride_kl, stride_kb, stride_ks, stride_kh, eps, qk_scale,
+                 seqlens_ptr, cos_ptr, sin_ptr, mid_o_ptr, mid_lse_ptr, ctr_ptr, keep_ptr, live_ptr,
+                 B, L, hidden, inter, vocab, rmax, cover, stride_keep, stride_kl, stride_kb, stride_ks, stride_kh, eps,
+                 qk_scale,
                  H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, D_PAD: tl.constexpr, B_PAD: tl.constexpr,
                  NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
                  ATT_BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, BN_V: tl.constexpr, BK_V: tl.constexpr,
                  BN_U: tl.constexpr, BK_U: tl.constexpr, BN_GU: tl.constexpr, BK_GU: tl.constexpr,
-                 BN_QKV: tl.constexpr, BK_QKV: tl.constexpr, STAGES: tl.constexpr, MIN_TILES: tl.constexpr):
+                 BN_QKV: tl.constexpr, BK_QKV: tl.constexpr, STAGES: tl.constexpr, MIN_TILES: tl.constexpr,
+                 MASKED: tl.constexpr):
     D: tl.constexpr = 2 * HALF
     NS = L * SLOTS + 1  # stages: SLOTS a layer (slot 3 unused), then the head
     P = tl.num_programs(0)
     rank = tl.atomic_add(ctr_ptr, 1, sem="relaxed")  # items by arrival order (all P are resident)
     ss_base = tz_ptr + L * 4 * B * rmax  # (L, 2, B_PAD) sums of squares after the (L, 4, B, rmax) V outputs
     for layer in range(L):
-        mp = meta_ptr + layer * 18
+        mp = meta_ptr + layer * META_ROW
         rq, rk, rv = _rank(mp, 11), _rank(mp, 12), _rank(mp, 13)
         ro, rg, ru, rd = _rank(mp, 14), _rank(mp, 15), _rank(mp, 16), _rank(mp, 17)
+        if MASKED:  # PARSE slots: the components in use (the batch's union, stored first), keep columns per group
+            lp = live_ptr + tl.load(mp + 22)
+            lq, lk, lv = _live(lp, 0, rq), _live(lp, 1, rk), _live(lp, 2, rv)
+            lo, lg, lu, ld = _live(lp, 3, ro), _live(lp, 4, rg), _live(lp, 5, ru), _live(lp, 6, rd)
+            k_qkv, k_o = keep_ptr + tl.load(mp + 18), keep_ptr + tl.load(mp + 19)
+            k_gu, k_d = keep_ptr + tl.load(mp + 20), keep_ptr + tl.load(mp + 21)
+            n_q, n_k, n_v, n_g, n_u = lq, lk, lv, lg, lu  # V rows per segment: the live ones
+        else:
+            lq, lk, lv, lo, lg, lu, ld = rq, rk, rv, ro, rg, ru, rd
+            k_qkv, k_o, k_gu, k_d = keep_ptr, keep_ptr, keep_ptr, keep_ptr
+            n_q, n_k, n_v, n_g, n_u = rq + rk + rv, 0, 0, rg + ru, 0  # one segment: a packed matrix's rows at once
         s0 = layer * SLOTS
         lay = tl.cast(layer, tl.int64)
         kc = kc_ptr + lay * stride_kl
@@ -362,36 +398,42 @@ def _rows_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, tz_ptr, q_ptr, a_ptr, m_ptr, 
         ss_qkv = ss_base + layer * (2 * B_PAD)
         ss_gu = ss_qkv + B_PAD
         _rows_v_split(ctr_ptr, rank, P, s0, tl.maximum(s0 - 1, 0), tl.where(layer == 0, 0, P), x_ptr, hidden,
-                      _weight(w_ptr, mp, 0), t_qkv, rmax, ss_qkv, rq + rk + rv, hidden, B, cover, True, B_PAD, BN_V,
-                      BK_V, STAGES, MIN_TILES)
+                      _weight(w_ptr, mp, 0), t_qkv, rmax, ss_qkv, rq, rq + rk, n_q, n_k, n_v, hidden, B, cover, k_qkv,
+                      stride_keep, True, B_PAD, BN_V, BK_V, STAGES, MIN_TILES, MASKED)
         _rows_qkv_u(ctr_ptr, rank, P, s0 + 1, s0, P, t_qkv, rmax, ss_qkv, hidden, eps, w_ptr, _offset(mp, 1),
-                    _offset(mp, 2), _offset(mp, 3), rq, rk, rv, cos_ptr, sin_ptr, seqlens_ptr, q_ptr, kc, vc,
-                    stride_kb, stride_ks, stride_kh, B, H, HKV, HALF, B_PAD, BN_QKV, BK_QKV, STAGES)
+                    _offset(mp, 2), _offset(mp, 3), rq, rk, rv, lq, lk, lv, cos_ptr, sin_ptr, seqlens_ptr, q_ptr, kc,
+                    vc, stride_kb, stride_ks, stride_kh, B, H, HKV, HALF, B_PAD, BN_QKV, BK_QKV, STAGES)
         _rows_attention(ctr_ptr, rank, P, s0 + 2, s0 + 1, P, q_ptr, kc, vc, stride_kb, stride_ks, stride_kh,
                         seqlens_ptr, a_ptr, mid_o_ptr, mid_lse_ptr, ctr_ptr + (L * SLOTS + 2) * PAD + layer * B * HKV,
                         qk_scale, B, H // HKV, H, HKV, D, D_PAD, BLOCK_H, ATT_BLOCK_N, NUM_SPLITS, SPLITS_PAD,
                         DOT_PREC)
         _rows_v_split(ctr_ptr, rank, P, s0 + 4, s0 + 2, P, a_ptr, H * D, _weight(w_ptr, mp, 4), t_o, rmax, ss_qkv,
-                      ro, H * D, B, cover, False, B_PAD, BN_V, BK_V, STAGES, MIN_TILES)
+                      0, 0, lo, 0, 0, H * D, B, cover, k_o, stride_keep, False, B_PAD, BN_V, BK_V, STAGES, MIN_TILES,
+                      MASKED)
         _rows_gemv(ctr_ptr, rank, P, s0 + 5, s0 + 4, P, t_o, rmax, _weight(w_ptr, mp, 5), x_ptr, hidden, hidden,
-                   ro, B, eps, False, True, B_PAD, BN_U, BK_U, STAGES)
+                   ro, lo, B, eps, False, True, B_PAD, BN_U, BK_U, STAGES)
         _rows_v_split(ctr_ptr, rank, P, s0 + 6, s0 + 5, P, x_ptr, hidden, _weight(w_ptr, mp, 6), t_gu, rmax, ss_gu,
-                      rg + ru, hidden, B, cover, True, B_PAD, BN_V, BK_V, STAGES, MIN_TILES)
+                      rg, 0, n_g, n_u, 0, hidden, B, cover, k_gu, stride_keep, True, B_PAD, BN_V, BK_V, STAGES,
+                      MIN_TILES, MASKED)
         _rows_gate_up(ctr_ptr, rank, P, s0 + 7, s0 + 6, P, t_gu, rmax, ss_gu, hidden, eps, _weight(w_ptr, mp, 7),
-                      _weight(w_ptr, mp, 8), m_ptr, inter, inter, rg, ru, B, B_PAD, BN_GU, BK_GU, STAGES)
+                      _weight(w_ptr, mp, 8), m_ptr, inter, inter, rg, ru, lg, lu, B, B_PAD, BN_GU, BK_GU, STAGES)
         _rows_v_split(ctr_ptr, rank, P, s0 + 8, s0 + 7, P, m_ptr, inter, _weight(w_ptr, mp, 9), t_d, rmax, ss_gu,
-                      rd, inter, B, cover, False, B_PAD, BN_V, BK_V, STAGES, MIN_TILES)
+                      0, 0, ld, 0, 0, inter, B, cover, k_d, stride_keep, False, B_PAD, BN_V, BK_V, STAGES, MIN_TILES,
+                      MASKED)
         _rows_gemv(ctr_ptr, rank, P, s0 + 9, s0 + 8, P, t_d, rmax, _weight(w_ptr, mp, 10), x_ptr, hidden,
-                   hidden, rd, B, eps, False, True, B_PAD, BN_U, BK_U, STAGES)
+                   hidden, rd, ld, B, eps, False, True, B_PAD, BN_U, BK_U, STAGES)
     # final norm (folded into the head's columns) + LM head, fp32 logits: items walk the whole row (the norm rides
     # along), enough of them at a real vocabulary
-    _rows_gemv(ctr_ptr, rank, P, NS - 1, NS - 2, P, x_ptr, hidden, head_ptr, logits_ptr, vocab, vocab, hidden, B, eps,
+    _rows_gemv(ctr_ptr, rank, P, NS - 1, NS - 2, P, x_ptr, hidden, head_ptr, logits_ptr, vocab, vocab, hidden, hidden,
+               B, eps,
                True, False, B_PAD, BN_V, BK_V, STAGES)
 
 
 class RowsStepKernel:
     """The one-launch step for B = 2..8 rows over a FastDecoder's packed layers (norms folded) and buffers; `run()`
-    is one memset (the counters) and one launch, no host sync or allocation."""
+    is two memsets (the counters, the V outputs) and one launch, no host sync or allocation. Layers of PARSE slots
+    (workers/parse_decode.py: keep masks and live widths, views of one buffer each) run masked: each row computes
+    with its own components, and only the union's are read."""
 
     def __init__(self, layers: list, head_n: torch.Tensor, bufs: dict, cfg, num_splits: int, batch_size: int,
                  rcfg: RowsConfig | None = None) -> None:
@@ -411,7 +453,19 @@ class RowsStepKernel:
             if dev.type == "cuda":
                 check_aligned(ws, ranks)
             rows.append([(w.data_ptr() - base.data_ptr()) // es for w in ws] + ranks)
-        self.meta = torch.tensor(rows, dtype=torch.int64, device=dev)  # (L, 18)
+        self.masked = layers[0].keep_qkv is not None
+        groups = ("keep_qkv", "keep_o", "keep_gu", "keep_down")
+        self.keep, self.live = (layers[0].keep_qkv, layers[0].live) if self.masked else (None, None)
+        for L, row in zip(layers, rows):  # keep columns of each group (views of one (B, cols) buffer), live offset
+            if self.masked != (L.keep_qkv is not None) or (self.masked and any(getattr(L, g) is None for g in groups)
+                                                            or self.masked and L.live is None):
+                raise ValueError("the rows step wants every layer masked (PARSE slots: keep and live) or none")
+            if self.masked:
+                row += [(getattr(L, g).data_ptr() - self.keep.data_ptr()) // self.keep.element_size() for g in groups]
+                row.append((L.live.data_ptr() - self.live.data_ptr()) // L.live.element_size())
+            else:
+                row += [0] * 5
+        self.meta = torch.tensor(rows, dtype=torch.int64, device=dev)  # (L, META_ROW)
         self.base, self.head_n, self.b, self.cfg, self.B = base, head_n, bufs, cfg, batch_size
         self.num_splits = num_splits
         self.on_gpu = dev.type == "cuda"
@@ -430,7 +484,7 @@ class RowsStepKernel:
             NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
             BLOCK_H=max(16, triton.next_power_of_2(H // HKV)), ATT_BLOCK_N=64 if self.on_gpu else 16,
             DOT_PREC="ieee" if bufs["k_cache"].dtype == torch.float32 else "tf32", **k.constexprs(self.on_gpu),
-            num_warps=k.num_warps if self.on_gpu else 1)
+            MASKED=self.masked, num_warps=k.num_warps if self.on_gpu else 1)
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if self.on_gpu else 1
         self.grid = (self.sms,)  # one program an SM until the compiled occupancy is known (interpreter: one program)
         self.cover = 0  # programs the V stages' split aims to give an item (0: the grid; tests set more)
@@ -444,8 +498,9 @@ class RowsStepKernel:
         kernel = _rows_kernel[self.grid](
             self.base, self.meta, self.head_n, b["x"], self.tz, b["q"], b["a"], b["m"], b["logits"], kc, vc,
             b["seqlens"], b["cos"], b["sin"], b["mid_o"], b["mid_lse"], self.ctr,
+            self.keep if self.masked else self.ctr, self.live if self.masked else self.ctr,
             self.B, len(self.meta), cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, self.rmax,
-            self.cover or self.grid[0],
+            self.cover or self.grid[0], self.keep.stride(0) if self.masked else 0,
             kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3), float(cfg.rms_norm_eps),
             math.log2(math.e) / math.sqrt(cfg.head_dim), **self.consts)
         if self.on_gpu and self.resident is None:  # every program resident at once: cap the grid at what fits

@@ -159,12 +159,13 @@ def ptx_functions(lines: list[str]) -> dict[str, list[str]]:
     return out
 
 
-ROWS_POINTERS = {("tz_ptr" if k == "t_ptr" else k): v for k, v in STEP_POINTERS.items()
-                 if k not in ("trace_ptr", "td_ptr")}
-ROWS_INTS = ("B", "L", "cover", "hidden", "inter", "vocab", "rmax", "stride_kl", "stride_kb", "stride_ks", "stride_kh")
+ROWS_POINTERS = {**{("tz_ptr" if k == "t_ptr" else k): v for k, v in STEP_POINTERS.items()
+                    if k not in ("trace_ptr", "td_ptr")}, "keep_ptr": "*bf16", "live_ptr": "*i32"}
+ROWS_INTS = ("B", "L", "cover", "hidden", "inter", "vocab", "rmax", "stride_keep", "stride_kl", "stride_kb",
+             "stride_ks", "stride_kh")
 
 
-def compile_rows(batch: int = 8, num_splits: int = 4):
+def compile_rows(batch: int = 8, num_splits: int = 4, masked: bool = False):
     """The B > 1 one-launch step (kernels/step_rows.py) compiled for sm90 at the default RowsConfig and LLaMA-7B
     heads, as compile_step_ptx: -> triton's compiled kernel (asm, registers, shared memory)."""
     import triton
@@ -175,7 +176,8 @@ def compile_rows(batch: int = 8, num_splits: int = 4):
     k = RowsConfig()
     names = list(inspect.signature(_rows_kernel.fn).parameters)
     consts = dict(H=32, HKV=32, HALF=64, D_PAD=128, B_PAD=max(16, batch), NUM_SPLITS=num_splits,
-                  SPLITS_PAD=num_splits, BLOCK_H=16, ATT_BLOCK_N=64, DOT_PREC="tf32", **k.constexprs(True))
+                  SPLITS_PAD=num_splits, BLOCK_H=16, ATT_BLOCK_N=64, DOT_PREC="tf32", MASKED=masked,
+                  **k.constexprs(True))
     sig = {n: ROWS_POINTERS.get(n, "i32" if n in ROWS_INTS else "fp32") for n in names if n not in consts}
     sig.update({n: "constexpr" for n in consts})
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in [*ROWS_POINTERS, *ROWS_INTS[3:]]}
@@ -183,18 +185,19 @@ def compile_rows(batch: int = 8, num_splits: int = 4):
                           options={"num_warps": k.num_warps, "num_stages": k.stages})
 
 
-def compile_rows_ptx() -> dict:
-    kern = compile_rows()
+def compile_rows_ptx(masked: bool = False) -> dict:
+    kern = compile_rows(masked=masked)
     return dict(ptx=kern.asm["ptx"], shared=kern.metadata.shared)
 
 
-def test_rows_step_reads_activations_around_l1_with_vector_copies():
+@pytest.mark.parametrize("masked", [False, True])
+def test_rows_step_reads_activations_around_l1_with_vector_copies(masked):
     """The B > 1 one-launch step: the rows' activations (written by other programs of the launch) and the weights
     reach shared memory only through 16-byte L2 copies (cp.async.cg), never L1-allocating ones; no scalar 2-byte
-    weight loads; the stages are calls; two programs' shared memory fits an SM."""
+    weight loads; the stages are calls; two programs' shared memory fits an SM. Also with PARSE slots' masks."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_kernels_ptx as t; "
-            f"print(json.dumps(t.compile_rows_ptx()))")
+            f"print(json.dumps(t.compile_rows_ptx({masked})))")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, f"offline sm90 compile failed:\n{run.stderr[-3000:]}"
     out = json.loads(run.stdout.strip().splitlines()[-1])

@@ -61,8 +61,9 @@ def test_slots_match_masked_eager_pool(B, backend):
         cache = KVCache(CFG.num_hidden_layers, B, 32, CFG.num_key_value_heads, CFG.head_dim)
         ref = [pool(prompt, cache, last_only=True)] + [pool(t[:, None], cache, last_only=True) for t in steps]
         clear(pool)
-        # B = 1 on the Triton backend: through the one-launch step (the slot is exactly the subset, no masks)
-        one = B == 1 and backend == "triton"
+        # the Triton backend: through the one-launch step (B = 1: the slot is exactly the subset, no masks; B = 3:
+        # kernels/step_rows.py with the keep masks and live widths)
+        one = backend == "triton"
         slots = ParseSlots(pool, routers, DecodeConfig(batch_size=B, max_seq_len=32, backend=backend, graph="none",
                                                        one_launch=True if one else None))
         sizes = slots.load(subsets)
@@ -71,6 +72,30 @@ def test_slots_match_masked_eager_pool(B, backend):
         assert size == len(set().union(*[s["k"][n] for s in subsets])) <= slots.widths[n]
     assert slots.masked == (B > 1)
     assert (slots.decoder.step_kernel is not None) == one
+    if one and B > 1:
+        assert slots.decoder.step_kernel.masked and slots.decoder.dcfg.fused()
+    _assert_steps_close(got, ref)
+
+
+def test_rows_step_reads_only_the_union():
+    """B = 3 through the masked one-launch step with overlapping subsets (two rows share one): the union leaves the
+    slots' later rows dead (live widths below the slot widths), so the V stages take only each projection's live
+    rows (segments of the packed q/k/v and gate/up matrices) and the U stages only the live components; each row
+    still gets its own subset's logits."""
+    pool, routers = _pool()
+    subsets = [_subset(routers, 1), _subset(routers, 1), _subset(routers, 2)]
+    prompt = torch.randint(0, CFG.vocab_size, (3, 5))
+    steps = [torch.randint(0, CFG.vocab_size, (3,)) for _ in range(3)]
+    with torch.no_grad():
+        apply(pool, subsets)
+        cache = KVCache(CFG.num_hidden_layers, 3, 32, CFG.num_key_value_heads, CFG.head_dim)
+        ref = [pool(prompt, cache, last_only=True)] + [pool(t[:, None], cache, last_only=True) for t in steps]
+        clear(pool)
+        slots = ParseSlots(pool, routers, DecodeConfig(batch_size=3, max_seq_len=32, graph="none", one_launch=True))
+        slots.load(subsets)
+        got = [slots.decoder.prefill(prompt)] + [slots.decoder.step(t).clone() for t in steps]
+    assert slots.decoder.step_kernel.masked
+    assert (slots._live < slots._W).any()  # some projection's slot has dead rows past the union
     _assert_steps_close(got, ref)
 
 
@@ -251,22 +276,24 @@ def test_live_width_reads_only_the_union(backend, split):
     _assert_steps_close(got, ref)
 
 
-def test_one_launch_step_follows_a_reloaded_subset():
-    """B = 1 through the one-launch step: a second subset is gathered into the same buffers (the kernel's weight
-    table stays valid) and the decode steps follow it."""
+@pytest.mark.parametrize("B", [1, 2])
+def test_one_launch_step_follows_a_reloaded_subset(B):
+    """Through the one-launch step (B = 1; B = 2: masked, kernels/step_rows.py): the next batch's subsets are
+    gathered into the same buffers (the kernel's weight table, keep columns and live widths stay valid) and the
+    decode steps follow them."""
     pool, routers = _pool()
-    slots = ParseSlots(pool, routers, DecodeConfig(batch_size=1, max_seq_len=32, graph="none", one_launch=True))
+    slots = ParseSlots(pool, routers, DecodeConfig(batch_size=B, max_seq_len=32, graph="none", one_launch=True))
     assert slots.decoder.step_kernel is not None
-    prompt = torch.randint(0, CFG.vocab_size, (1, 5))
-    steps = [torch.randint(0, CFG.vocab_size, (1,)) for _ in range(2)]
+    prompt = torch.randint(0, CFG.vocab_size, (B, 5))
+    steps = [torch.randint(0, CFG.vocab_size, (B,)) for _ in range(2)]
     with torch.no_grad():
         for seed in (1, 2):
-            sub = _subset(routers, seed)
-            apply(pool, [sub])
-            cache = KVCache(CFG.num_hidden_layers, 1, 32, CFG.num_key_value_heads, CFG.head_dim)
+            sub = [_subset(routers, seed + 10 * b) for b in range(B)]
+            apply(pool, sub)
+            cache = KVCache(CFG.num_hidden_layers, B, 32, CFG.num_key_value_heads, CFG.head_dim)
             ref = [pool(prompt, cache, last_only=True)] + [pool(t[:, None], cache, last_only=True) for t in steps]
             clear(pool)
-            slots.load([sub])
+            slots.load(sub)
             got = [slots.decoder.prefill(prompt)] + [slots.decoder.step(t).clone() for t in steps]
             _assert_steps_close(got, ref)
 

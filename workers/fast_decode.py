@@ -382,8 +382,8 @@ class FastDecoder:
 
     def _step_body(self) -> None:
         if self.step_kernel is not None:
-            if any(l.live is not None or l.keep_qkv is not None for l in self.layers):
-                raise ValueError("one_launch does not take PARSE masks; use the per-kernel step")
+            if self.dcfg.batch_size == 1 and any(l.live is not None or l.keep_qkv is not None for l in self.layers):
+                raise ValueError("one_launch at B = 1 does not take PARSE masks; use the per-kernel step")
             self._embed()
             self.step_kernel.run()
             self._advance()

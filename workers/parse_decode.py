@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from rankserve.workers.align import padded
-from rankserve.workers.fast_decode import DecodeConfig, FastDecoder, _Layer
+from rankserve.workers.fast_decode import DecodeConfig, FastDecoder, _Layer, auto_one_launch
 from rankserve.workers.host import upload
 from rankserve.workers.model import ATTN_PROJS, PROJS, Transformer, proj_name
 from rankserve.workers.parse import Routers
@@ -88,12 +88,13 @@ class ParseSlots:
 
     def __init__(self, pool: Transformer, routers: Routers, dcfg: DecodeConfig, align: int = 1) -> None:
         B = dcfg.batch_size
-        if B > 1 and dcfg.one_launch is None:  # masked slots run the per-kernel step (its kernels take the masks)
-            dcfg = replace(dcfg, one_launch=False)
         self.pool, self.routers, self.B = pool, routers, B
         # align GPU_ALIGN on the GPU (workers/align.py); B > 1: at least LIVE_ALIGN (the live widths' granularity)
         self.widths = slot_widths(routers, B, align if B == 1 else max(align, LIVE_ALIGN))
         self.model = _slot_model(pool, self.widths)
+        if B > 1 and dcfg.one_launch is None:  # masked slots: the per-kernel step (the masked one-launch step,
+            dcfg = replace(dcfg, one_launch=False)  # kernels/step_rows.py, measured slower: decode-log.md)
+        dcfg = auto_one_launch(dcfg, self.model)  # before packing: the one-launch steps fold the norms
         dev, dt = pool.embed.weight.device, pool.embed.weight.dtype
         self.layers = [_Layer(blk, pool.cfg, fold=dcfg.fused()) for blk in self.model.layers]
         self.masked = B > 1  # B = 1: the slot is exactly the subset, nothing to mask
@@ -153,7 +154,7 @@ class ParseSlots:
         self._cap = np.minimum(padded(np.ceil(PREFILL_CAP * self._k).astype(np.int64), LIVE_ALIGN), self._W)  # (M,)
         self.prefills: PrefillGraphs | None = None  # one-row prefills over self.model, set by the owner (prefill)
         # B = 1: no masks or live widths (the slot is the subset), so the one-launch step can run it (fixed buffers,
-        # refilled in place); B > 1 is always the per-kernel step
+        # refilled in place); B > 1: the per-kernel step unless one_launch=True (the masked kernels/step_rows.py)
         self.decoder = FastDecoder(self.model, dcfg, packed=self.layers)
         self._plins, self._slins = pool.projections(), self.model.projections()
         self.last_changed = 0  # matrices the last load() gathered (0: the slots already held the batch's subsets)
