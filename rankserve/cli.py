@@ -230,6 +230,8 @@ def inspect_cmd(model: Path = typer.Argument(...), as_json: bool = typer.Option(
 def generate_cmd(
     model: Path = typer.Argument(...),
     prompt: str = typer.Option("", "--prompt", help="prompt text (empty: start from BOS)"),
+    prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="instead of --prompt: the prompt as "
+                                             "comma-separated token ids, used as given (no BOS added)"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
     top_p: float = typer.Option(1.0, "--top-p"),
@@ -260,6 +262,14 @@ def generate_cmd(
         _fail("--subset-out needs --parse or --subset")
     if logprobs is not None and not as_json:
         _fail("--logprobs needs --json (the log-probabilities are a field of the JSON output)")
+    ids = None
+    if prompt_ids is not None:
+        if prompt:
+            _fail("--prompt and --prompt-ids exclude each other: give the prompt as text or as token ids")
+        try:
+            ids = [int(t) for t in prompt_ids.split(",")]
+        except ValueError:
+            _fail(f"--prompt-ids: comma-separated integers wanted, got {prompt_ids!r}")
 
     def body():
         from rankserve.workers.engine import Engine
@@ -276,8 +286,9 @@ def generate_cmd(
             if engine.routers is None:
                 raise ValueError(f"{model} has no PARSE routers (family {engine.manifest.family}); --parse and "
                                  f"--subset need a checkpoint built by `rankserve train-parse`")
-            subset = _read_subset(subset_file, engine.routers) if subset_file else engine.rank_subset(prompt)
-        r = engine.generate(prompt, params, subset=subset)
+            subset = (_read_subset(subset_file, engine.routers) if subset_file else
+                      engine.rank_subset(prompt if ids is None else ids))
+        r = engine.generate(prompt if ids is None else ids, params, subset=subset)
         out = {"text": r.text, "token_ids": r.token_ids, "num_prompt_tokens": r.num_prompt_tokens,
                "finish_reason": r.finish_reason}
         if r.logprobs is not None:
@@ -289,7 +300,7 @@ def generate_cmd(
             if not as_json:  # stdout stays the text
                 typer.echo(f"rank subset {out['subset']['digest']} ({len(subset['k'])} matrices, "
                            f"{sum(out['subset']['k'].values())} components)", err=True)
-        _emit(as_json, out, prompt + r.text)
+        _emit(as_json, out, (prompt if ids is None else engine.decode_prompt(ids)) + r.text)
 
     _run(body)
 

@@ -42,6 +42,21 @@ def test_generate_json_tells_the_story():
     assert out["num_prompt_tokens"] == 1 and len(out["token_ids"]) == 20
 
 
+def test_generate_from_token_ids():
+    """--prompt-ids: the prompt as token ids, used as given; the text's own ids (BOS first) give the text's reply; bad
+    ids and --prompt with --prompt-ids are one-line errors."""
+    by_text = json.loads(rankserve("generate", BUNDLED, "--prompt", "Once upon a time", "--max-new-tokens", "8",
+                                   "--json").stdout)
+    p = rankserve("generate", BUNDLED, "--prompt-ids", "1,403,407,261,378", "--max-new-tokens", "8", "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == by_text
+    assert rankserve("generate", BUNDLED, "--prompt-ids", "1,403,407,261,378", "--max-new-tokens", "8").stdout \
+        .startswith("Once upon a time" + by_text["text"])
+    assert_clean_error(rankserve("generate", BUNDLED, "--prompt-ids", "1,x"), "comma-separated integers")
+    assert_clean_error(rankserve("generate", BUNDLED, "--prompt-ids", "1,99999"), "token id 99999 at position 1")
+    assert_clean_error(rankserve("generate", BUNDLED, "--prompt", "a", "--prompt-ids", "1"), "exclude each other")
+
+
 def test_inspect_json():
     out = json.loads(rankserve("inspect", BUNDLED, "--json").stdout)
     assert out["family"] == "dense" and out["keep"] == 1.0 and out["config"]["num_key_value_heads"] == 4
