@@ -448,3 +448,41 @@ def test_choices_of_one_prompt_share_its_prefill(fast_path):
             got.setdefault(i, []).append(ev.token_id)
     assert [got[i] for i in range(3)] == alone and len({tuple(a) for a in alone}) == 3
     assert stream._batch.prefills == 2
+
+
+def test_rows_step_serves_a_continuous_batch(tmp_path, monkeypatch):
+    """The engine's B > 1 decoders through the one-launch rows step (kernels/step_rows.py; forced here, the default
+    takes it on Hopper GPUs only), on a compressed bundled model: rows join a running batch at different positions
+    and leave it, and each row's greedy tokens are what it gets alone on the eager runtime (fp32, the interpreter).
+    The decoders of every batch size share one folded pack."""
+    from dataclasses import replace
+
+    import rankserve.workers.engine as engine_module
+    from rankserve.compress.factorize import compress_model
+    from rankserve.kernels.step_rows import RowsStepKernel
+
+    d = compress_model(BUNDLED, tmp_path / "svd", "svd", 0.8, progress=False)
+    alone = Engine.load(d, fast_path="off")
+    monkeypatch.setattr(engine_module, "auto_one_launch",
+                        lambda dcfg, model: replace(dcfg, one_launch=2 <= dcfg.batch_size <= 16))
+    eng = Engine.load(d, fast_path="triton")
+    reqs = [("Once upon a time", 10, 0), ("The dog", 6, 2), ("Lily and Ben went to the park", 8, 2), ("Tom", 5, 7)]
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for _, n, _ in reqs]
+    want = [alone.generate(p, sp).token_ids for (p, *_), sp in zip(reqs, params)]
+    stream = eng.stream_batch([reqs[0][0]], [params[0]])
+    which, got, step = {0: 0}, [[] for _ in reqs], 0
+    while True:
+        for j, (p, _, at) in enumerate(reqs):
+            if at == step and j:
+                which[stream.add(p, params[j])] = j
+        try:
+            events = next(stream)
+        except StopIteration:
+            break
+        for i, ev in events.items():
+            got[which[i]].append(ev.token_id)
+        step += 1
+    assert got == want
+    kernels = [dec.step_kernel for (B, _), dec in eng._decoders.items() if B > 1]
+    assert kernels and all(isinstance(k, RowsStepKernel) for k in kernels)
+    assert len({id(dec.layers) for dec in eng._decoders.values()}) == 1  # one folded pack for every batch size
