@@ -1,4 +1,4 @@
-"""The whole decode step of a fully factorized model for B = 2..8 rows in one persistent launch.
+"""The whole decode step of a fully factorized model for B = 2..16 rows in one persistent launch.
 
 The B = 1 step (step_kernel.py) runs every stage of every layer in one launch, ordered by device counters; the B > 1
 step was ~290 kernels in one CUDA graph, and at B = 8 a GEMV of the 7B shape streamed its weights at ~2 TB/s, half
