@@ -85,6 +85,21 @@ def _dot(x, wT, acc):
     return tl.dot(x.to(wT.dtype), wT, acc)
 
 
+@triton.jit
+def _tile(w_ptr, K, offs_n, mask_n, offs_k, mask_k, x_ptr, stride_x, offs_b, mask_b, acc, ss, NORM: tl.constexpr):
+    """One step of a V / U loop: acc (B_PAD, BLOCK_N) += x[rows, offs_k] @ w[offs_n, offs_k]ᵀ (w: rows of K, streamed
+    past L1; the rows' x from L2: .cg); NORM: ss (B_PAD,) += the rows' sum of squares over offs_k."""
+    wT = tl.load(w_ptr + offs_n[None, :] * K + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0,
+                 eviction_policy="evict_first")  # (BLOCK_K, BLOCK_N)
+    xk = tl.load(x_ptr + offs_b[:, None] * stride_x + offs_k[None, :], mask=mask_b[:, None] & mask_k[None, :],
+                 other=0.0, cache_modifier=".cg")  # (B_PAD, BLOCK_K)
+    acc = _dot(xk, wT, acc)
+    if NORM:
+        xf = xk.to(tl.float32)
+        ss += tl.sum(xf * xf, axis=1)
+    return acc, ss
+
+
 @triton.jit(noinline=True)
 def _rows_gemv(ctr_ptr, rank, P, sid, prev, target, x_ptr, stride_x, w_ptr, y_ptr, stride_y, N, K, K_run, B, eps,
                NORM: tl.constexpr, RESIDUAL: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -105,14 +120,7 @@ def _rows_gemv(ctr_ptr, rank, P, sid, prev, target, x_ptr, stride_x, w_ptr, y_pt
         offs_k = kc * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_n = offs_n < N
         mask_k = offs_k < K_run
-        wT = tl.load(w_ptr + offs_n[None, :] * K + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :],
-                     other=0.0, eviction_policy="evict_first")  # (BLOCK_K, BLOCK_N)
-        xk = tl.load(x_ptr + offs_b[:, None] * stride_x + offs_k[None, :], mask=mask_b[:, None] & mask_k[None, :],
-                     other=0.0, cache_modifier=".cg")  # (B_PAD, BLOCK_K)
-        acc = _dot(xk, wT, acc)
-        if NORM:
-            xf = xk.to(tl.float32)
-            ss += tl.sum(xf * xf, axis=1)
+        acc, ss = _tile(w_ptr, K, offs_n, mask_n, offs_k, mask_k, x_ptr, stride_x, offs_b, mask_b, acc, ss, NORM)
         if last:
             y = acc
             if NORM:
@@ -171,14 +179,7 @@ def _rows_v_split(ctr_ptr, rank, P, sid, prev, target, x_ptr, stride_x, w_ptr, t
             kp = tl.load(keep_ptr + offs_b[:, None] * stride_keep + offs_n[None, :],
                          mask=mask_b[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
             mask_n = mask_n & (tl.max(kp, axis=0) > 0)
-        wT = tl.load(w_ptr + offs_n[None, :] * K + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :],
-                     other=0.0, eviction_policy="evict_first")  # (BLOCK_K, BLOCK_N)
-        xk = tl.load(x_ptr + offs_b[:, None] * stride_x + offs_k[None, :], mask=mask_b[:, None] & mask_k[None, :],
-                     other=0.0, cache_modifier=".cg")  # (B_PAD, BLOCK_K)
-        acc = _dot(xk, wT, acc)
-        if NORM:
-            xf = xk.to(tl.float32)
-            ss += tl.sum(xf * xf, axis=1)
+        acc, ss = _tile(w_ptr, K, offs_n, mask_n, offs_k, mask_k, x_ptr, stride_x, offs_b, mask_b, acc, ss, NORM)
         if last:
             if KEEP:
                 acc = acc * kp
