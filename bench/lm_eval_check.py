@@ -110,9 +110,9 @@ def engine_scores(model_dir: Path, pairs: list[tuple[list[int], list[int]]]) -> 
 
 
 def check(python: str, family: str, url: str | None) -> dict[str, Any]:
-    from rankserve.deployments.local import LocalService, ensure_models
-
     import yaml
+
+    from rankserve.deployments.local import LocalService, ensure_models, free_port
 
     models = ensure_models()
     if family not in models or family.startswith("parse-"):
@@ -120,7 +120,6 @@ def check(python: str, family: str, url: str | None) -> dict[str, Any]:
     svc, key = None, os.environ.get("OPENAI_API_KEY", "")
     if url is None:
         cfg = yaml.safe_load((ROOT / "configs" / "serve.local.yaml").read_text())
-        from rankserve.deployments.local import free_port
         cfg["http_options"]["port"], cfg["grpc_options"]["port"] = free_port(), free_port()
         key = secrets.token_hex(16)
         os.environ[cfg["applications"][0]["args"]["api_key_env"]] = key  # the replicas inherit it

@@ -176,8 +176,8 @@ class CompletionRequest(_Request):
 
     @property
     def prompts(self) -> list[str | list[int]]:
-        """Each prompt: a text, or a list of token ids."""
-        if isinstance(self.prompt, str) or is_token_ids(self.prompt):
+        """Each prompt: a text, or a list of token ids (the validator made a list one kind: texts, ids or lists)."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
             return [self.prompt]
         return list(self.prompt)
 
@@ -276,11 +276,6 @@ class ChatRequest(_Request):
 
 def _is_id(t: Any) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX
-
-
-def is_token_ids(prompt: Any) -> bool:
-    """Whether one prompt is token ids (a non-empty list of ints), not a text or a list of prompts."""
-    return isinstance(prompt, list) and bool(prompt) and all(_is_id(t) for t in prompt)
 
 
 def _integer(v: Any) -> Any:
