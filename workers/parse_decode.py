@@ -34,7 +34,6 @@ before and after: bench/results/parse-joins-h200.md.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
 from typing import Iterator
 
 import numpy as np
@@ -92,8 +91,6 @@ class ParseSlots:
         # align GPU_ALIGN on the GPU (workers/align.py); B > 1: at least LIVE_ALIGN (the live widths' granularity)
         self.widths = slot_widths(routers, B, align if B == 1 else max(align, LIVE_ALIGN))
         self.model = _slot_model(pool, self.widths)
-        if B > 1 and dcfg.one_launch is None:  # masked slots: the per-kernel step (the masked one-launch step,
-            dcfg = replace(dcfg, one_launch=False)  # kernels/step_rows.py, measured slower: decode-log.md)
         dcfg = auto_one_launch(dcfg, self.model)  # before packing: the one-launch steps fold the norms
         dev, dt = pool.embed.weight.device, pool.embed.weight.dtype
         self.layers = [_Layer(blk, pool.cfg, fold=dcfg.fused()) for blk in self.model.layers]
@@ -153,8 +150,8 @@ class ParseSlots:
         self._live = self._W.copy()  # (M,) live widths as the last load set them (host)
         self._cap = np.minimum(padded(np.ceil(PREFILL_CAP * self._k).astype(np.int64), LIVE_ALIGN), self._W)  # (M,)
         self.prefills: PrefillGraphs | None = None  # one-row prefills over self.model, set by the owner (prefill)
-        # B = 1: no masks or live widths (the slot is the subset), so the one-launch step can run it (fixed buffers,
-        # refilled in place); B > 1: the per-kernel step unless one_launch=True (the masked kernels/step_rows.py)
+        # B = 1: no masks or live widths (the slot is the subset), so the one-launch step runs it (fixed buffers,
+        # refilled in place); B > 1: kernels/step_rows.py masked, where auto_one_launch turns it on (Hopper)
         self.decoder = FastDecoder(self.model, dcfg, packed=self.layers)
         self._plins, self._slins = pool.projections(), self.model.projections()
         self.last_changed = 0  # matrices the last load() gathered (0: the slots already held the batch's subsets)
