@@ -42,6 +42,11 @@ from rankserve.workers.align import GPU_ALIGN, padded
 from rankserve.workers.parse_decode import LIVE_ALIGN, ParseSlots
 
 
+# the PARSE slots' step at B > 1 (DecodeConfig.one_launch): ParseSlots' default, kernels/step_rows.py masked, or
+# the per-kernel step
+SLOT_STEPS = {"default": None, "one-launch": True, "per-kernel": False}
+
+
 def _median_ms(fn, n: int = 5) -> float:
     fn()
     sync()
@@ -134,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split-k", type=int, default=0,
                     help="DecodeConfig.split_k of both paths (0 = its default; 1 = V stages not split)")
     ap.add_argument("--pdl", default="auto", choices=["auto", "on", "off"], help="DecodeConfig.pdl of both paths")
+    ap.add_argument("--slot-steps", nargs="+", default=["default"], choices=list(SLOT_STEPS),
+                    help="B > 1: the PARSE slots' decode step(s), each timed in this run (default: ParseSlots' own "
+                         "choice); the first also gets the slot load, prefill and routing figures")
     ap.add_argument("--preset", default="llama-7b")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of this script")
     ap.add_argument("--markdown", nargs="*", help="render result JSONs as markdown and exit")
@@ -187,25 +195,37 @@ def main(argv: list[str] | None = None) -> int:
         dec = FastDecoder(static, DecodeConfig(batch_size=B, max_seq_len=S, graph=graph, **opts))
         entry["rows"].append(row("static", time_fast(dec, P, n, reps), weight_bytes_read(static), bw, B))
         del dec
-        # PARSE slots
-        slots = ParseSlots(pool, routers, DecodeConfig(batch_size=B, max_seq_len=S, graph=graph, **opts), align=align)
-        sizes = slots.load(subsets)
-        entry["union_over_k"] = statistics.mean(sizes[n_] / K[n_] for n_ in K)
-        entry["rows"].append(row("parse-slots", time_fast(slots.decoder, P, n, reps), live_bytes(slots, sizes),
-                                 bw, B))
-        entry["overlap"] = []
-        for u in (args.unions if B > 1 else []):
-            sub_u = overlapping_subsets(routers, B, u, seed=B + 7)
-            sz = slots.load(sub_u)
-            with torch.inference_mode():
-                xu = torch.randint(0, cfg.vocab_size, (B, max(16, args.prefill_tokens // B)), device=dev)
-                kvu = KVCache(cfg.num_hidden_layers, B, xu.shape[1], cfg.num_key_value_heads, cfg.head_dim,
-                              device=dev, dtype=dt)
-                pre = _median_ms(lambda: (kvu.reset(), slots.model(xu, kvu, last_only=True)))
-            r = row(f"parse-slots-u{u:g}", time_fast(slots.decoder, P, n, reps), live_bytes(slots, sz), bw, B)
-            entry["rows"].append(r)
-            entry["overlap"].append(dict(target=u, union_over_k=statistics.mean(sz[n_] / K[n_] for n_ in K),
-                                         row=r["row"], prefill_parse_ms=pre, check=check(pool, slots, sub_u, steps=4)))
+        # PARSE slots: the first step listed gets every figure, any other its decode timings and checks
+        for si, step in enumerate(args.slot_steps if B > 1 else args.slot_steps[:1]):
+            tag = f"/{step}" if si else ""
+            slots = ParseSlots(pool, routers, DecodeConfig(batch_size=B, max_seq_len=S, graph=graph,
+                                                           one_launch=SLOT_STEPS[step], **opts), align=align)
+            sizes = slots.load(subsets)
+            entry.setdefault("union_over_k", statistics.mean(sizes[n_] / K[n_] for n_ in K))
+            entry.setdefault("slot_steps", []).append(dict(step=step, one_launch=slots.decoder.step_kernel is not None))
+            entry["rows"].append(row("parse-slots" + tag, time_fast(slots.decoder, P, n, reps),
+                                     live_bytes(slots, sizes), bw, B))
+            entry.setdefault("overlap", [])
+            for u in (args.unions if B > 1 else []):
+                sub_u = overlapping_subsets(routers, B, u, seed=B + 7)
+                sz = slots.load(sub_u)
+                pre = None
+                if not si:
+                    with torch.inference_mode():
+                        xu = torch.randint(0, cfg.vocab_size, (B, max(16, args.prefill_tokens // B)), device=dev)
+                        kvu = KVCache(cfg.num_hidden_layers, B, xu.shape[1], cfg.num_key_value_heads, cfg.head_dim,
+                                      device=dev, dtype=dt)
+                        pre = _median_ms(lambda: (kvu.reset(), slots.model(xu, kvu, last_only=True)))
+                r = row(f"parse-slots-u{u:g}{tag}", time_fast(slots.decoder, P, n, reps), live_bytes(slots, sz), bw, B)
+                entry["rows"].append(r)
+                entry["overlap"].append(dict(target=u, union_over_k=statistics.mean(sz[n_] / K[n_] for n_ in K),
+                                             row=r["row"], step=step, prefill_parse_ms=pre,
+                                             check=check(pool, slots, sub_u, steps=4)))
+            if si:
+                entry.setdefault("checks", {})[step] = check(pool, slots, subsets)
+                continue
+            first = slots
+        slots = first  # the others are dropped here
         other = random_subsets(routers, B, seed=B + 100)
         flip = {"i": 0}
 
@@ -236,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(same batch again {entry['slot_reload_same_ms']:.1f} ms), prefill "
               f"{entry['prefill_static_ms']:.1f} vs {entry['prefill_parse_ms']:.1f} ms, route {entry['route_ms']:.1f} ms, "
               f"check {entry['check']}", flush=True)
-        del slots
+        del slots, first
         gc.collect()
         torch.cuda.empty_cache()
         save()
@@ -265,18 +285,32 @@ def markdown(paths: list[str]) -> str:
             s, q = (next(r for r in e["rows"] if r["row"] == name) for name in ("static", "parse-slots"))
             c = e["check"]
             reload = f" (repeat: {e['slot_reload_same_ms']:.1f})" if "slot_reload_same_ms" in e else ""
-            lines.append(f"| {e['batch']} | {s['ms_per_token']:.3f} | {q['ms_per_token']:.3f} | "
+            first = e.get("slot_steps", [{"step": "default"}])[0]
+            how = first["step"] if first["step"] != "default" or "one_launch" not in first else \
+                "default: " + ("one-launch" if first["one_launch"] else "per-kernel")
+            label = f"{e['batch']}" + (f" ({how} step)" if how != "default" else "")
+            lines.append(f"| {label} | {s['ms_per_token']:.3f} | {q['ms_per_token']:.3f} | "
                          f"{q['ms_per_token'] / s['ms_per_token']:.2f}× | {e['union_over_k']:.2f} | "
                          f"{e['slot_load_ms']:.1f}{reload} | {e['prefill_static_ms']:.1f} / {e['prefill_parse_ms']:.1f} "
                          f"({e['prefill_parse_ms'] / e['prefill_static_ms']:.2f}×, {e['batch']}×"
                          f"{e['prefill_tokens_per_row']} tokens) | {e['route_ms']:.1f} | "
                          f"{c['max_rel_err']:.1e}, {c['argmax_agreement']:.2f} |")
+            for st in e.get("slot_steps", [])[1:]:  # further steps timed in the run: random subsets
+                r = next(x for x in e["rows"] if x["row"] == f"parse-slots/{st['step']}")
+                c = e["checks"][st["step"]]
+                lines.append(f"| {e['batch']} ({st['step']} step) | {s['ms_per_token']:.3f} | {r['ms_per_token']:.3f} | "
+                             f"{r['ms_per_token'] / s['ms_per_token']:.2f}× | {e['union_over_k']:.2f} | | | | "
+                             f"{c['max_rel_err']:.1e}, {c['argmax_agreement']:.2f} |")
             for o in e.get("overlap", []):
                 r = next(x for x in e["rows"] if x["row"] == o["row"])
-                lines.append(f"| {e['batch']} (overlapping subsets) | {s['ms_per_token']:.3f} | {r['ms_per_token']:.3f} | "
-                             f"{r['ms_per_token'] / s['ms_per_token']:.2f}× | {o['union_over_k']:.2f} | | "
-                             f"{e['prefill_static_ms']:.1f} / {o['prefill_parse_ms']:.1f} "
-                             f"({o['prefill_parse_ms'] / e['prefill_static_ms']:.2f}×) | | "
+                step = o.get("step", "default")
+                how = "overlapping subsets" + (f", {step} step" if step != "default" else "")
+                if step == "default" and "one_launch" in first:
+                    how += ", default: " + ("one-launch" if first["one_launch"] else "per-kernel") + " step"
+                pre = (f"{e['prefill_static_ms']:.1f} / {o['prefill_parse_ms']:.1f} "
+                       f"({o['prefill_parse_ms'] / e['prefill_static_ms']:.2f}×)" if o["prefill_parse_ms"] else "")
+                lines.append(f"| {e['batch']} ({how}) | {s['ms_per_token']:.3f} | {r['ms_per_token']:.3f} | "
+                             f"{r['ms_per_token'] / s['ms_per_token']:.2f}× | {o['union_over_k']:.2f} | | {pre} | | "
                              f"{o['check']['max_rel_err']:.1e}, {o['check']['argmax_agreement']:.2f} |")
         lines.append("")
     return "\n".join(lines)
