@@ -336,3 +336,23 @@ def test_one_launch_refuses_what_it_cannot_run():
         check_aligned([w], [16, 24])
     with pytest.raises(ValueError, match="32-byte aligned"):
         check_aligned([w[1:]], [16])
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_refresh_repacks_as_a_fresh_pack(fold):
+    """_Layer.refresh (PARSE slots after a load) writes each V into its rows of the packed factors with the norm
+    folded on the way: bit for bit what packing the changed factors anew gives (bf16, the GPU's dtype)."""
+    from rankserve.workers.fast_decode import _Layer
+    model = _model("uneven").to(torch.bfloat16)
+    blk = model.layers[0]
+    with torch.no_grad():
+        blk.attn_norm.weight.uniform_(0.5, 1.5)
+        blk.mlp_norm.weight.uniform_(0.5, 1.5)
+        L = _Layer(blk, CFG, fold=fold)
+        for p in PROJS:
+            lin = getattr(blk.attn if p in ("q", "k", "v", "o") else blk.mlp, p)
+            lin.V.copy_(torch.randn_like(lin.V))
+        L.refresh()
+    fresh = _Layer(blk, CFG, fold=fold)
+    assert L.folded == fold
+    assert torch.equal(L.Vqkv, fresh.Vqkv) and torch.equal(L.Vgu, fresh.Vgu)

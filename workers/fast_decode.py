@@ -185,11 +185,13 @@ class _Layer:
         """Re-pack the concatenated input factors in place after the projections' factors changed (PARSE slots).
         U factors and the o/down factors are the projections' own tensors, so they need nothing."""
         for packed, names, norm in (("Vqkv", ("q", "k", "v"), self.attn_norm), ("Vgu", ("gate", "up"), self.mlp_norm)):
-            if hasattr(self, packed):
-                buf = getattr(self, packed)
-                torch.cat([self.proj[p].V for p in names], out=buf)
-                if self.folded:
-                    buf.mul_(norm)
+            if hasattr(self, packed):  # one pass: each V into its rows of the pack, the norm folded on the way
+                buf, row = getattr(self, packed), 0
+                for p in names:
+                    V = self.proj[p].V
+                    dst = buf[row:row + V.shape[0]]
+                    torch.mul(V, norm, out=dst) if self.folded else dst.copy_(V)
+                    row += V.shape[0]
         for p in ("q", "k", "v", "gate", "up"):
             if self.proj[p].factorized:
                 assert self.proj[p].U.is_contiguous(), "refresh expects contiguous U factors (shared, not copied)"
