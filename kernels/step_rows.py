@@ -18,8 +18,9 @@ with the per-kernel step as baseline): svd-llm keep 0.6 B = 2 / 4 / 8 3.460 / 3.
 3.959 / 4.016 / 4.099 (-11 to -13 %), dobi 3.747 vs 4.200, basis-sharing 4.132 vs 4.551, prompt 2048 at B = 8 5.254
 vs 5.890; keep 0.8 4.904 vs 4.894 (even). The V stages split their reduction into chunks so every program has an item,
 the partials (and the RMSNorm's sums of squares) added with atomics into zeroed fp32 buffers; the U stage after a
-normed V stage scales its output by 1 / rms. With PARSE slots' masks it works (tests/test_parse_decode.py) but was
-measured slower than their per-kernel step (6.049 vs ~4.42 ms at B = 8, decode-log.md), so ParseSlots keeps that.
+normed V stage scales its output by 1 / rms. PARSE slots (keep masks, live widths) run through it too, the default
+at B > 1 since session 28: at B = 8 with a routed union of 1.04 K 3.905 ms against 4.425 for their per-kernel step
+and 3.548 static (bench/results/parse-speed-h200-s28.json; random subsets, a union of 2 K, 6.846 vs 6.516).
 
 Scheduling and coherence are step_kernel.py's: items dealt by rank from an atomic ticket, a done counter a stage
 (acquire / release), every program resident at once (RowsStepKernel caps the grid at the compiled occupancy; one
