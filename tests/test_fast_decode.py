@@ -290,8 +290,8 @@ def test_rows_step_matches_eager(kind, splits, B, cover):
 
 def test_auto_one_launch_decides_before_packing():
     """auto_one_launch keeps a given one_launch and decides None: off on the CPU (and the torch backend), so the
-    layers are packed unfolded at B > 1 there; the engine and ParseSlots resolve it before packing (masked PARSE
-    slots at B > 1 always per-kernel)."""
+    layers are packed unfolded at B > 1 there; the engine and ParseSlots resolve it before packing (on a Hopper GPU
+    masked PARSE slots at B > 1 take the one-launch step too)."""
     from rankserve.workers.fast_decode import auto_one_launch
     m = _model("uneven")
     assert auto_one_launch(DecodeConfig(batch_size=4), m).one_launch is False  # CPU

@@ -326,3 +326,25 @@ def test_one_row_prefill_reads_the_rows_own_components():
         assert {n: (l.mask, l.live) for n, l in slots.model.projections().items()} == before
         slots._cap = slots._k.copy()  # caps of K: the union (K + 2) is wider
         assert slots.prefill(ids, cache, 0) is None
+
+
+def test_masked_slots_take_the_one_launch_step_where_it_is_on(monkeypatch):
+    """ParseSlots leaves one_launch to auto_one_launch at B > 1 as at B = 1 (on a Hopper GPU it turns it on: the
+    masked kernels/step_rows.py, measured faster than the per-kernel step since session 28); here the decision is
+    stood in for, as the CPU would say off."""
+    from dataclasses import replace
+
+    import rankserve.workers.parse_decode as pd
+    seen = []
+
+    def hopper(dcfg, model):
+        seen.append(dcfg.one_launch)
+        return replace(dcfg, one_launch=True) if dcfg.one_launch is None else dcfg
+
+    monkeypatch.setattr(pd, "auto_one_launch", hopper)
+    pool, routers = _pool()
+    slots = ParseSlots(pool, routers, DecodeConfig(batch_size=3, max_seq_len=32, graph="none"))
+    assert seen[0] is None and slots.masked
+    assert slots.decoder.step_kernel is not None and slots.decoder.step_kernel.masked
+    forced = ParseSlots(pool, routers, DecodeConfig(batch_size=3, max_seq_len=32, graph="none", one_launch=False))
+    assert forced.decoder.step_kernel is None
