@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{res['env']['gpu']}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     P, n, reps = args.prompt, args.tokens, args.repeats
     for B in args.batches:
-        S = P + n + 16
+        S = max(P + n, 24) + 16  # check(): a 16-token prompt and 8 steps
         entry = dict(batch=B, rows=[])
         res["batches"].append(entry)
         subsets = random_subsets(routers, B, seed=B)
