@@ -94,7 +94,9 @@ def test_prompt_logprobs_in_pieces_equal_whole(engine, monkeypatch):
     pieces = engine.prompt_logprobs(text, 2)
     assert [(e.token, e.offset, [t for t, _, _ in e.top]) for e in pieces] == \
         [(e.token, e.offset, [t for t, _, _ in e.top]) for e in whole]
-    assert [e.logprob for e in pieces] == pytest.approx([e.logprob for e in whole], abs=1e-6)
+    # fp32: the head's GEMM over 3 rows blocks its sums differently from one over every row (2.8e-6 measured on a
+    # 2-core CPU; 1e-6 passed on another), so 1e-5: far below any real difference between two tokens' logprobs
+    assert [e.logprob for e in pieces] == pytest.approx([e.logprob for e in whole], abs=1e-5)
     assert len(engine.prompt_logprobs("Once", 1)) == 1  # one token after the BOS: one piece
 
 
