@@ -75,6 +75,24 @@ def _alternate_ms(fa, fb, n: int = 5) -> tuple[float, float]:
     return statistics.median(ta), statistics.median(tb)
 
 
+def build(preset_name: str, keep: float, pool_factor: float, dev: str, dt: torch.dtype):
+    """The bench's models: -> (cfg, K per routed matrix, the static rank-K model, the r_max = pool_factor K pool,
+    random routers over it); random weights, ranks zero-padded on the GPU as the engine does (workers/align.py)."""
+    cfg = preset(preset_name)
+    K, _ = plan_ranks(cfg, "svd-llm", keep)
+    shapes = cfg.linear_shapes()
+    r_max = {n: min(int(pool_factor * k), min(shapes[n.rsplit(".", 1)[1]])) for n, k in K.items()}
+    align = GPU_ALIGN if dev == "cuda" else 1
+    static = build_model(cfg, K, {}, dev, dt, align=align)
+    pool = build_model(cfg, r_max, {}, dev, dt, seed=1, align=align)
+    lins = pool.projections()
+    g = torch.Generator(device=dev).manual_seed(0)
+    routers = Routers(R={n: torch.randn(r, lins[n].in_features, device=dev, generator=g) for n, r in r_max.items()},
+                      b={n: torch.zeros(r, device=dev) for n, r in r_max.items()}, k=dict(K), r_max=r_max, head={},
+                      perm={})
+    return cfg, K, static, pool, routers
+
+
 def random_subsets(routers: Routers, B: int, seed: int) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     return [{"v": 1, "k": {n: sorted(torch.randperm(routers.r_max[n], generator=g)[:k].tolist())
@@ -159,18 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
     graph = "step" if dev == "cuda" else "none"
     bw = copy_bandwidth(dev)
-    cfg = preset(args.preset)
-    K, _ = plan_ranks(cfg, "svd-llm", args.keep)
-    shapes = cfg.linear_shapes()
-    r_max = {n: min(int(args.pool_factor * k), min(shapes[n.rsplit(".", 1)[1]])) for n, k in K.items()}
-    align = GPU_ALIGN if dev == "cuda" else 1  # as the engine: ranks zero-padded on the GPU (workers/align.py)
-    static = build_model(cfg, K, {}, dev, dt, align=align)
-    pool = build_model(cfg, r_max, {}, dev, dt, seed=1, align=align)
-    lins = pool.projections()
-    g = torch.Generator(device=dev).manual_seed(0)
-    routers = Routers(R={n: torch.randn(r, lins[n].in_features, device=dev, generator=g) for n, r in r_max.items()},
-                      b={n: torch.zeros(r, device=dev) for n, r in r_max.items()}, k=dict(K), r_max=r_max, head={},
-                      perm={})
+    cfg, K, static, pool, routers = build(args.preset, args.keep, args.pool_factor, dev, dt)
+    align = GPU_ALIGN if dev == "cuda" else 1
     res = dict(env=dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke test)", torch=torch.__version__, triton=triton.__version__,
                         cuda=torch.version.cuda, copy_bw=bw, weights="random, bf16", date=time.strftime("%Y-%m-%d")),
                setup=dict(preset=args.preset, keep=args.keep, split_k=args.split_k or None, pdl=args.pdl,

@@ -19,8 +19,9 @@ with the per-kernel step as baseline): svd-llm keep 0.6 B = 2 / 4 / 8 3.460 / 3.
 vs 5.890; keep 0.8 4.904 vs 4.894 (even). The V stages split their reduction into chunks so every program has an item,
 the partials (and the RMSNorm's sums of squares) added with atomics into zeroed fp32 buffers; the U stage after a
 normed V stage scales its output by 1 / rms. PARSE slots (keep masks, live widths) run through it too, the default
-at B > 1 since session 28: at B = 8 with a routed union of 1.04 K 3.905 ms against 4.425 for their per-kernel step
-and 3.548 static (bench/results/parse-speed-h200-s28.json; random subsets, a union of 2 K, 6.846 vs 6.516).
+at B > 1 since session 28: at B = 8 with a routed union of 1.04 K 3.849 ms against 4.405 for their per-kernel step
+and 3.532 static (bench/results/parse-speed-h200-s29.json; random subsets, a union of 2 K, 5.957 vs 6.517).
+Where the step's time goes, stage by stage: bench/rows_trace.py (RowsConfig.trace).
 
 Scheduling and coherence are step_kernel.py's: items dealt by rank from an atomic ticket, a done counter a stage
 (acquire / release), every program resident at once (RowsStepKernel caps the grid at the compiled occupancy; one
@@ -36,11 +37,12 @@ import triton
 import triton.language as tl
 
 from rankserve.kernels.decode_attention import attend, merge_group
-from rankserve.kernels.step_kernel import (PAD, SLOTS, _leave, _mine, _offset, _position, _qkv_item, _rank, _wait,
-                                           _weight, check_aligned, layer_weights, resident_programs)
+from rankserve.kernels.step_kernel import (PAD, SLOTS, _leave, _mine, _position, _qkv_item, _stamp, _stamp_sm, _wait,
+                                           check_aligned, layer_weights, resident_programs)
 
 Tile = tuple[int, int]  # (weight rows an item, columns a step of the reduction)
-META_ROW = tl.constexpr(23)  # a layer's table row: 11 weight offsets, 7 ranks, 4 keep columns, its live widths' offset
+META_ROW = tl.constexpr(22)  # a layer's table row: 11 weight offsets, 7 ranks, 4 keep columns (PARSE slots)
+LIVE_ROW = tl.constexpr(7)  # PARSE slots: a layer's live widths (q, k, v, o, gate, up, down) in one (L, 7) int32 tensor
 
 
 @dataclass
@@ -61,6 +63,9 @@ class RowsConfig:
     min_tiles: int = 2  # the V stages split their reduction so every program has an item, down to this many tiles
     gu: Tile | None = (64, 128)  # gate/up U (two tiles a step); None = u
     qkv: Tile | None = (32, 128)  # q/k/v U: (dims of a half-head, columns); None = u
+    # diagnostics (GPU): every program stamps the global timer as it reaches each stage, into RowsStepKernel.trace
+    # (programs x stages + 2, the B = 1 step's layout); bench/rows_trace.py turns the stamps into per-stage spans
+    trace: bool = False
 
     def __post_init__(self) -> None:
         for name in ("v", "u", "gu", "qkv"):
@@ -75,7 +80,8 @@ class RowsConfig:
     def constexprs(self, on_gpu: bool) -> dict:
         v, u, gu, qkv = (self.v, self.u, self.gu, self.qkv) if on_gpu else ((16, 32), (16, 16), (16, 16), (16, 16))
         return dict(BN_V=v[0], BK_V=v[1], BN_U=u[0], BK_U=u[1], BN_GU=gu[0], BK_GU=gu[1], BN_QKV=qkv[0],
-                    BK_QKV=qkv[1], STAGES=self.stages if on_gpu else 1, MIN_TILES=self.min_tiles)
+                    BK_QKV=qkv[1], STAGES=self.stages if on_gpu else 1, MIN_TILES=self.min_tiles,
+                    TRACE=self.trace and on_gpu)
 
 
 @triton.jit
@@ -143,17 +149,20 @@ def _rows_v_split(ctr_ptr, rank, P, sid, prev, target, x_ptr, stride_x, w_ptr, t
                   KEEP: tl.constexpr):
     """t[b, n] += sum_k w[n, k] x[b, k] for the rows n of up to three segments, [0, l0), [s1, s1 + l1) and
     [s2, s2 + l2) (a packed matrix's projections; PARSE slots: the live rows of each), over items (block of BLOCK_N
-    rows of a segment, chunk of the reduction): the reduction is split so that `cover` programs (the grid) each have
-    an item (few-row V stages: o V and down V have 77 / 112 blocks of 16 rows at the 7B shape against 264 programs),
-    at least MIN_TILES tiles a chunk; each item adds its partial into t (fp32, zeroed before the step) with relaxed
-    atomics. NORM: the items of row block 0 also add their chunk's sum of squares of x[b] into ss[b]; the consuming U
-    stage scales by 1 / rms (t is linear in x). KEEP (PARSE slots): t[b, n] only where keep[b, n] (row b's
-    components); the segments are the live rows (the batch's union), so every block is some row's."""
+    rows of a segment, chunk of the reduction): the reduction is split into as many chunks as give `cover` programs
+    (the grid) at most one item each (few-row V stages: o V and down V have 10 / 14 blocks of 128 rows at the 7B shape
+    against 264 programs), at least MIN_TILES tiles a chunk. At most one: a program with two items doubles the stage's
+    tail (a PARSE union of 1.04 K gave down V 15 blocks x 18 chunks = 270 items for 264 programs, a span of 520 against
+    414 us a step; bench/results/rows-trace-h200-s29.md). Each item adds its partial into t (fp32, zeroed before the
+    step) with relaxed atomics. NORM: the items of row block 0 also add their chunk's sum of squares of x[b] into
+    ss[b]; the consuming U stage scales by 1 / rms (t is linear in x). KEEP (PARSE slots): t[b, n] only where
+    keep[b, n] (row b's components); the segments are the live rows (the batch's union), so every block is some
+    row's."""
     nk = tl.cdiv(K, BLOCK_K)
     b0 = tl.cdiv(l0, BLOCK_N)
     b1 = tl.cdiv(l1, BLOCK_N)
     nrb = b0 + b1 + tl.cdiv(l2, BLOCK_N)
-    split = tl.maximum(1, tl.minimum(tl.cdiv(cover, nrb), nk // MIN_TILES))
+    split = tl.maximum(1, tl.minimum(cover // nrb, nk // MIN_TILES))  # nrb * split <= cover where it can be
     ck = tl.cdiv(nk, split)  # tiles a chunk
     split = tl.cdiv(nk, ck)  # chunks, none empty
     mine = _mine(nrb * split, rank, P)
@@ -172,16 +181,18 @@ def _rows_v_split(ctr_ptr, rank, P, sid, prev, target, x_ptr, stride_x, w_ptr, t
         start = tl.where(rb < b0, rb * BLOCK_N, tl.where(rb < b0 + b1, s1 + (rb - b0) * BLOCK_N,
                                                         s2 + (rb - b0 - b1) * BLOCK_N))
         end = tl.where(rb < b0, l0, tl.where(rb < b0 + b1, s1 + l1, s2 + l2))
-        offs_n = start + tl.arange(0, BLOCK_N)
+        offs_n = tl.multiple_of(start, 16) + tl.arange(0, BLOCK_N)  # segments start at multiples of 16
         offs_k = kc * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_n = offs_n < end
         mask_k = offs_k < K  # the last chunk may hold fewer tiles: the rest masked (no traffic)
         acc, ss = _tile(w_ptr, K, offs_n, mask_n, offs_k, mask_k, x_ptr, stride_x, offs_b, mask_b, acc, ss, NORM)
         if last:
             if KEEP:  # (B_PAD, BLOCK_N) 0/1, read once an item: a weight load whose mask waited on it would not
-                # pipeline (measured 6.05 vs 3.54 ms static at B = 8, session 27)
+                # pipeline (measured 6.05 vs 3.54 ms static at B = 8, session 27); read before the item's tiles, or
+                # as the atomic's mask, it was slower (bench/results/rows-trace-h200-s29-{prefetch,epilogue}-*.json)
                 acc = acc * tl.load(keep_ptr + offs_b[:, None] * stride_keep + offs_n[None, :],
-                                    mask=mask_b[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+                                    mask=mask_b[:, None] & mask_n[None, :], other=0.0,
+                                    eviction_policy="evict_last").to(tl.float32)
             tl.atomic_add(t_ptr + offs_b[:, None] * stride_t + offs_n[None, :], acc,
                           mask=mask_b[:, None] & mask_n[None, :], sem="relaxed")
             if NORM:
@@ -353,14 +364,31 @@ def _rows_attention(ctr_ptr, rank, P, sid, prev, target, q_ptr, kc_ptr, vc_ptr, 
 
 
 @triton.jit
+def _offset(mp, j):
+    """Entry j of a layer's table row (a multiple of 16), kept in L2 across steps (evict_last: the weights stream
+    through with evict_first; each layer's stages wait on this load: 0.6 % a step at B = 8, session 29)."""
+    return tl.multiple_of(tl.load(mp + j, eviction_policy="evict_last"), 16)
+
+
+@triton.jit
+def _weight(w_ptr, mp, j):
+    return w_ptr + _offset(mp, j)
+
+
+@triton.jit
+def _rank(mp, j):
+    return tl.multiple_of(_offset(mp, j).to(tl.int32), 16)
+
+
+@triton.jit
 def _live(lp, j, r):
     """Components in use of projection j (PROJS order) from the layer's live widths, at most its slot width r."""
-    return tl.multiple_of(tl.minimum(tl.load(lp + j), r), 16)
+    return tl.multiple_of(tl.minimum(tl.load(lp + j, eviction_policy="evict_last"), r), 16)
 
 
 @triton.jit
 def _rows_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, tz_ptr, q_ptr, a_ptr, m_ptr, logits_ptr, kc_ptr, vc_ptr,
-                 seqlens_ptr, cos_ptr, sin_ptr, mid_o_ptr, mid_lse_ptr, ctr_ptr, keep_ptr, live_ptr,
+                 seqlens_ptr, cos_ptr, sin_ptr, mid_o_ptr, mid_lse_ptr, ctr_ptr, keep_ptr, live_ptr, trace_ptr,
                  B, L, hidden, inter, vocab, rmax, cover, stride_keep, stride_kl, stride_kb, stride_ks, stride_kh, eps,
                  qk_scale,
                  H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, D_PAD: tl.constexpr, B_PAD: tl.constexpr,
@@ -368,22 +396,23 @@ def _rows_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, tz_ptr, q_ptr, a_ptr, m_ptr, 
                  ATT_BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, BN_V: tl.constexpr, BK_V: tl.constexpr,
                  BN_U: tl.constexpr, BK_U: tl.constexpr, BN_GU: tl.constexpr, BK_GU: tl.constexpr,
                  BN_QKV: tl.constexpr, BK_QKV: tl.constexpr, STAGES: tl.constexpr, MIN_TILES: tl.constexpr,
-                 MASKED: tl.constexpr):
+                 MASKED: tl.constexpr, TRACE: tl.constexpr):
     D: tl.constexpr = 2 * HALF
     NS = L * SLOTS + 1  # stages: SLOTS a layer (slot 3 unused), then the head
     P = tl.num_programs(0)
     rank = tl.atomic_add(ctr_ptr, 1, sem="relaxed")  # items by arrival order (all P are resident)
+    _stamp_sm(trace_ptr, rank, NS, TRACE)
     ss_base = tz_ptr + L * 4 * B * rmax  # (L, 2, B_PAD) sums of squares after the (L, 4, B, rmax) V outputs
     for layer in range(L):
         mp = meta_ptr + layer * META_ROW
         rq, rk, rv = _rank(mp, 11), _rank(mp, 12), _rank(mp, 13)
         ro, rg, ru, rd = _rank(mp, 14), _rank(mp, 15), _rank(mp, 16), _rank(mp, 17)
         if MASKED:  # PARSE slots: the components in use (the batch's union, stored first), keep columns per group
-            lp = live_ptr + tl.load(mp + 22)
+            lp = live_ptr + layer * LIVE_ROW  # not through the table: no load waits on another
             lq, lk, lv = _live(lp, 0, rq), _live(lp, 1, rk), _live(lp, 2, rv)
             lo, lg, lu, ld = _live(lp, 3, ro), _live(lp, 4, rg), _live(lp, 5, ru), _live(lp, 6, rd)
-            k_qkv, k_o = keep_ptr + tl.load(mp + 18), keep_ptr + tl.load(mp + 19)
-            k_gu, k_d = keep_ptr + tl.load(mp + 20), keep_ptr + tl.load(mp + 21)
+            k_qkv, k_o = keep_ptr + _offset(mp, 18), keep_ptr + _offset(mp, 19)
+            k_gu, k_d = keep_ptr + _offset(mp, 20), keep_ptr + _offset(mp, 21)
             n_q, n_k, n_v, n_g, n_u = lq, lk, lv, lg, lu  # V rows per segment: the live ones
         else:
             lq, lk, lv, lo, lg, lu, ld = rq, rk, rv, ro, rg, ru, rd
@@ -397,36 +426,46 @@ def _rows_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, tz_ptr, q_ptr, a_ptr, m_ptr, 
         t_qkv, t_o, t_gu, t_d = tz, tz + B * rmax, tz + 2 * B * rmax, tz + 3 * B * rmax
         ss_qkv = ss_base + layer * (2 * B_PAD)
         ss_gu = ss_qkv + B_PAD
+        _stamp(trace_ptr, rank, s0, NS, TRACE)
         _rows_v_split(ctr_ptr, rank, P, s0, tl.maximum(s0 - 1, 0), tl.where(layer == 0, 0, P), x_ptr, hidden,
                       _weight(w_ptr, mp, 0), t_qkv, rmax, ss_qkv, rq, rq + rk, n_q, n_k, n_v, hidden, B, cover, k_qkv,
                       stride_keep, True, B_PAD, BN_V, BK_V, STAGES, MIN_TILES, MASKED)
+        _stamp(trace_ptr, rank, s0 + 1, NS, TRACE)
         _rows_qkv_u(ctr_ptr, rank, P, s0 + 1, s0, P, t_qkv, rmax, ss_qkv, hidden, eps, w_ptr, _offset(mp, 1),
                     _offset(mp, 2), _offset(mp, 3), rq, rk, rv, lq, lk, lv, cos_ptr, sin_ptr, seqlens_ptr, q_ptr, kc,
                     vc, stride_kb, stride_ks, stride_kh, B, H, HKV, HALF, B_PAD, BN_QKV, BK_QKV, STAGES)
+        _stamp(trace_ptr, rank, s0 + 2, NS, TRACE)
         _rows_attention(ctr_ptr, rank, P, s0 + 2, s0 + 1, P, q_ptr, kc, vc, stride_kb, stride_ks, stride_kh,
                         seqlens_ptr, a_ptr, mid_o_ptr, mid_lse_ptr, ctr_ptr + (L * SLOTS + 2) * PAD + layer * B * HKV,
                         qk_scale, B, H // HKV, H, HKV, D, D_PAD, BLOCK_H, ATT_BLOCK_N, NUM_SPLITS, SPLITS_PAD,
                         DOT_PREC)
+        _stamp(trace_ptr, rank, s0 + 4, NS, TRACE)
         _rows_v_split(ctr_ptr, rank, P, s0 + 4, s0 + 2, P, a_ptr, H * D, _weight(w_ptr, mp, 4), t_o, rmax, ss_qkv,
                       0, 0, lo, 0, 0, H * D, B, cover, k_o, stride_keep, False, B_PAD, BN_V, BK_V, STAGES, MIN_TILES,
                       MASKED)
+        _stamp(trace_ptr, rank, s0 + 5, NS, TRACE)
         _rows_gemv(ctr_ptr, rank, P, s0 + 5, s0 + 4, P, t_o, rmax, _weight(w_ptr, mp, 5), x_ptr, hidden, hidden,
                    ro, lo, B, eps, False, True, B_PAD, BN_U, BK_U, STAGES)
+        _stamp(trace_ptr, rank, s0 + 6, NS, TRACE)
         _rows_v_split(ctr_ptr, rank, P, s0 + 6, s0 + 5, P, x_ptr, hidden, _weight(w_ptr, mp, 6), t_gu, rmax, ss_gu,
                       rg, 0, n_g, n_u, 0, hidden, B, cover, k_gu, stride_keep, True, B_PAD, BN_V, BK_V, STAGES,
                       MIN_TILES, MASKED)
+        _stamp(trace_ptr, rank, s0 + 7, NS, TRACE)
         _rows_gate_up(ctr_ptr, rank, P, s0 + 7, s0 + 6, P, t_gu, rmax, ss_gu, hidden, eps, _weight(w_ptr, mp, 7),
                       _weight(w_ptr, mp, 8), m_ptr, inter, inter, rg, ru, lg, lu, B, B_PAD, BN_GU, BK_GU, STAGES)
+        _stamp(trace_ptr, rank, s0 + 8, NS, TRACE)
         _rows_v_split(ctr_ptr, rank, P, s0 + 8, s0 + 7, P, m_ptr, inter, _weight(w_ptr, mp, 9), t_d, rmax, ss_gu,
                       0, 0, ld, 0, 0, inter, B, cover, k_d, stride_keep, False, B_PAD, BN_V, BK_V, STAGES, MIN_TILES,
                       MASKED)
+        _stamp(trace_ptr, rank, s0 + 9, NS, TRACE)
         _rows_gemv(ctr_ptr, rank, P, s0 + 9, s0 + 8, P, t_d, rmax, _weight(w_ptr, mp, 10), x_ptr, hidden,
                    hidden, rd, ld, B, eps, False, True, B_PAD, BN_U, BK_U, STAGES)
     # final norm (folded into the head's columns) + LM head, fp32 logits: items walk the whole row (the norm rides
     # along), enough of them at a real vocabulary
+    _stamp(trace_ptr, rank, NS - 1, NS, TRACE)
     _rows_gemv(ctr_ptr, rank, P, NS - 1, NS - 2, P, x_ptr, hidden, head_ptr, logits_ptr, vocab, vocab, hidden, hidden,
-               B, eps,
-               True, False, B_PAD, BN_V, BK_V, STAGES)
+               B, eps, True, False, B_PAD, BN_V, BK_V, STAGES)
+    _stamp(trace_ptr, rank, NS, NS, TRACE)
 
 
 class RowsStepKernel:
@@ -456,15 +495,16 @@ class RowsStepKernel:
         self.masked = layers[0].keep_qkv is not None
         groups = ("keep_qkv", "keep_o", "keep_gu", "keep_down")
         self.keep, self.live = (layers[0].keep_qkv, layers[0].live) if self.masked else (None, None)
-        for L, row in zip(layers, rows):  # keep columns of each group (views of one (B, cols) buffer), live offset
+        for i, (L, row) in enumerate(zip(layers, rows)):  # keep columns of each group (views of one (B, cols) buffer)
             if self.masked != (L.keep_qkv is not None) or (self.masked and any(getattr(L, g) is None for g in groups)
                                                             or self.masked and L.live is None):
                 raise ValueError("the rows step wants every layer masked (PARSE slots: keep and live) or none")
             if self.masked:
                 row += [(getattr(L, g).data_ptr() - self.keep.data_ptr()) // self.keep.element_size() for g in groups]
-                row.append((L.live.data_ptr() - self.live.data_ptr()) // L.live.element_size())
-            else:
-                row += [0] * 5
+                if (L.live.data_ptr() - self.live.data_ptr()) // L.live.element_size() != i * LIVE_ROW.value:
+                    raise ValueError(f"the rows step reads layer i's live widths at row i of one (L, {LIVE_ROW.value}) "
+                                     f"tensor; layer {i}'s are elsewhere")
+            row += [0] * (META_ROW.value - len(row))
         self.meta = torch.tensor(rows, dtype=torch.int64, device=dev)  # (L, META_ROW)
         self.base, self.head_n, self.b, self.cfg, self.B = base, head_n, bufs, cfg, batch_size
         self.num_splits = num_splits
@@ -486,6 +526,11 @@ class RowsStepKernel:
             DOT_PREC="ieee" if bufs["k_cache"].dtype == torch.float32 else "tf32", **k.constexprs(self.on_gpu),
             MASKED=self.masked, num_warps=k.num_warps if self.on_gpu else 1)
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if self.on_gpu else 1
+        # trace (RowsConfig.trace, GPU): (programs, stages + 2) int64 global-timer stamps, then each program's SM;
+        # untraced, the kernel never touches it and gets the counters as a placeholder pointer
+        stages = len(layers) * SLOTS + 1
+        self.trace = (torch.zeros(self.sms * 32, stages + 2, dtype=torch.int64, device=dev)
+                      if self.consts["TRACE"] else self.ctr)
         self.grid = (self.sms,)  # one program an SM until the compiled occupancy is known (interpreter: one program)
         self.cover = 0  # programs the V stages' split aims to give an item (0: the grid; tests set more)
         self.resident: int | None = None
@@ -498,7 +543,7 @@ class RowsStepKernel:
         kernel = _rows_kernel[self.grid](
             self.base, self.meta, self.head_n, b["x"], self.tz, b["q"], b["a"], b["m"], b["logits"], kc, vc,
             b["seqlens"], b["cos"], b["sin"], b["mid_o"], b["mid_lse"], self.ctr,
-            self.keep if self.masked else self.ctr, self.live if self.masked else self.ctr,
+            self.keep if self.masked else self.ctr, self.live if self.masked else self.ctr, self.trace,
             self.B, len(self.meta), cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, self.rmax,
             self.cover or self.grid[0], self.keep.stride(0) if self.masked else 0,
             kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3), float(cfg.rms_norm_eps),

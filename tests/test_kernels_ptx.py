@@ -160,7 +160,7 @@ def ptx_functions(lines: list[str]) -> dict[str, list[str]]:
 
 
 ROWS_POINTERS = {**{("tz_ptr" if k == "t_ptr" else k): v for k, v in STEP_POINTERS.items()
-                    if k not in ("trace_ptr", "td_ptr")}, "keep_ptr": "*bf16", "live_ptr": "*i32"}
+                    if k != "td_ptr"}, "keep_ptr": "*bf16", "live_ptr": "*i32"}
 ROWS_INTS = ("B", "L", "cover", "hidden", "inter", "vocab", "rmax", "stride_keep", "stride_kl", "stride_kb",
              "stride_ks", "stride_kh")
 

@@ -348,3 +348,17 @@ def test_masked_slots_take_the_one_launch_step_where_it_is_on(monkeypatch):
     assert slots.decoder.step_kernel is not None and slots.decoder.step_kernel.masked
     forced = ParseSlots(pool, routers, DecodeConfig(batch_size=3, max_seq_len=32, graph="none", one_launch=False))
     assert forced.decoder.step_kernel is None
+
+
+def test_rows_step_reads_each_layers_live_widths_at_its_row():
+    """The masked rows step reads layer i's live widths at row i of one (L, 7) int32 tensor (no load through the
+    layer's table row waits on another); layers whose widths live elsewhere are refused, not misread."""
+    from rankserve.kernels.step_rows import LIVE_ROW, RowsStepKernel
+    pool, routers = _pool()
+    slots = ParseSlots(pool, routers, DecodeConfig(batch_size=3, max_seq_len=32, graph="none", one_launch=True))
+    sk = slots.decoder.step_kernel
+    assert sk is not None and sk.masked and slots.live_dev.shape == (len(slots.layers), LIVE_ROW.value)
+    dec = slots.decoder
+    slots.layers[1].live = slots.live_dev[1].clone()  # same values, another tensor
+    with pytest.raises(ValueError, match="live widths at row i"):
+        RowsStepKernel(slots.layers, dec.head_n, sk.b, pool.cfg, sk.num_splits, 3)

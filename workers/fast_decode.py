@@ -114,8 +114,8 @@ def auto_one_launch(dcfg: DecodeConfig, model: Transformer) -> DecodeConfig:
     it was measured faster on the H200 (decode-log.md): B = 1 (2.82 vs 3.22 ms/token) and B = 2..16 (B = 2 / 4 / 8
     3.46 / 3.57 / 3.61 vs 3.96 / 4.02 / 4.10 ms a step at keep 0.6; keep 0.8 4.90 vs 4.89), on a Hopper-or-newer GPU,
     with Triton GEMVs and every projection factorized at a rank padded to 16 (workers/align.py), heads of >= 128
-    bytes, PARSE's masked slots included (B = 8 at a routed union of 1.04 K: 3.905 vs 4.425 ms per-kernel, session
-    28); off elsewhere (the CPU, the torch backend, dense layers)."""
+    bytes, PARSE's masked slots included (B = 8 at a routed union of 1.04 K: 3.849 vs 4.405 ms per-kernel, session
+    29); off elsewhere (the CPU, the torch backend, dense layers)."""
     if dcfg.one_launch is not None:
         return dcfg
     dev = model.embed.weight.device
