@@ -201,8 +201,9 @@ class Engine:
                  # (477 -> 472; parse-log.md); 0 = every request its own routers' top-K
                  parse_pull: float = 0.2,
                  extra_eos: tuple[int, ...] = (),  # more ids that end a reply (generation_config.json's)
-                 # bytes the fast path's decoders (KV caches, PARSE slot weights) may hold together; the least
-                 # recently used go first. None: 40 % of the GPU's memory (unbounded on the CPU)
+                 # bytes the fast path's decoders (KV caches, PARSE slot weights) may hold together, with the one-row
+                 # prefill caches once built (fixed: they shrink what the decoders may hold); the least recently used
+                 # decoders go first. None: 40 % of the GPU's memory (unbounded on the CPU)
                  decoder_memory_bytes: int | None = None,
                  # a prompt longer than this joins a batch whose rows are decoding this many tokens a step (they take
                  # a step between its chunks instead of waiting for the whole prompt); 0: whole prompts. None: 512,
@@ -464,8 +465,9 @@ class Engine:
     def _slot_prefills(self, model: Transformer) -> PrefillGraphs:
         """One-row prefills over a PARSE slots model (ParseSlots.prefill): CUDA graphs on the GPU, where the eager
         forward's host time (~55 ms at the 7B shape, whatever the prompt's length) stalled every join. All slots
-        models' graphs share one staging cache and one memory pool (they run one at a time); neither is counted in
-        decoder_memory_bytes, as for a static model's prefill graphs."""
+        models' graphs share one staging cache and one memory pool (they run one at a time); the staging cache counts
+        against decoder_memory_bytes (_one_row_bytes), the graphs' pool does not, as for a static model's prefill
+        graphs."""
         cuda = self.device.type == "cuda"
         if cuda and self._slot_pool is None:
             self._slot_pool = torch.cuda.graph_pool_handle()
@@ -484,16 +486,25 @@ class Engine:
         return self._prefills
 
     def _chunked_prefill(self) -> ChunkedPrefill:
-        """The one-row fill cache long prompts are prefilled into a chunk at a time (built on first use; not counted in
+        """The one-row fill cache long prompts are prefilled into a chunk at a time (built on first use; counted in
         decoder_memory_bytes); its chunks replay a CUDA graph for a static model on the GPU."""
         if self._chunks is None:
             self._chunks = ChunkedPrefill(self.model, self.max_seq_len,
                                           graph=self.device.type == "cuda" and self.routers is None)
         return self._chunks
 
+    def _one_row_bytes(self) -> int:
+        """Bytes of the one-row caches built so far: the prefill graphs' staging caches (static, PARSE slots) and the
+        chunked prefill's fill cache, each a whole context (1.07 GB at the 7B shape with 2,048 positions, bf16). They
+        stay once built, so they come off what the decoders may hold."""
+        caches = [self._prefills.stage if self._prefills is not None else None, self._slot_stage,
+                  self._chunks.fill if self._chunks is not None else None]
+        return sum(_kv_bytes(c) for c in {id(c): c for c in caches if c is not None}.values())
+
     def _make_room(self, B: int, S: int, parse: bool) -> None:
-        """Drop the least recently used decoders until one more for (B, S) fits in `decoder_memory_bytes`: its KV
-        cache, plus for PARSE slots the largest slots entry held so far (their weights are known once built)."""
+        """Drop the least recently used decoders until one more for (B, S) fits in `decoder_memory_bytes` beside the
+        one-row caches: its KV cache, plus for PARSE slots the largest slots entry held so far (their weights are
+        known once built)."""
         if self.decoder_memory_bytes is None:
             return
         cfg = self.cfg
@@ -502,6 +513,7 @@ class Engine:
         if parse:
             need += max((b for (kind, _, _), b in self._held.items() if kind == "slots"), default=0)
         freed = False
+        need += self._one_row_bytes()
         while self._held and sum(self._held.values()) + need > self.decoder_memory_bytes:
             kind, b, s = next(iter(self._held))
             del self._held[(kind, b, s)]
@@ -939,6 +951,11 @@ def _mask_rows(model: Transformer, a: int, b: int) -> Iterator[None]:
             lins[n].mask = m
 
 
+def _kv_bytes(cache: KVCache) -> int:
+    """Bytes of a KV cache's keys and values."""
+    return cache._k.numel() * cache._k.element_size() * 2
+
+
 def _cache_bytes(dec: FastDecoder) -> int:
     """Bytes of a decoder's KV cache (its own; packed weights are shared and not counted)."""
-    return dec.cache._k.numel() * dec.cache._k.element_size() * 2
+    return _kv_bytes(dec.cache)

@@ -9,7 +9,8 @@ one-row staging cache; the row's K/V are then copied into its slot of the batch'
 (a real token's earlier keys are all real) and its K/V writes land in the staging cache's scratch slot.
 
 Memory: the staging cache holds one row of the whole context (1.07 GB at the 7B shape with 2,048 positions, bf16)
-and each captured bucket keeps its activations' pool; neither counts against the engine's decoder_memory_bytes.
+and each captured bucket keeps its activations' pool; the engine counts the staging cache against its
+decoder_memory_bytes (Engine._one_row_bytes), not the pool.
 
     graphs = PrefillGraphs(model, max_len=2048)
     logits = graphs.prefill(prompt_ids, cache, slot)   # (V,) fp32; cache row `slot` holds the prompt, its
