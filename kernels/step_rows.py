@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 
 from rankserve.kernels.decode_attention import attend, merge_group
-from rankserve.kernels.step_kernel import (PAD, SLOTS, _leave, _mine, _position, _qkv_item, _stamp, _stamp_sm, _wait,
-                                           check_aligned, layer_weights, resident_programs)
+from rankserve.kernels.step_kernel import (PAD, SLOTS, _leave, _mine, _offset, _position, _qkv_item, _rank, _stamp,
+                                           _stamp_sm, _wait, _weight, check_aligned, layer_weights, resident_programs)
 
 Tile = tuple[int, int]  # (weight rows an item, columns a step of the reduction)
 META_ROW = tl.constexpr(22)  # a layer's table row: 11 weight offsets, 7 ranks, 4 keep columns (PARSE slots)
@@ -364,23 +364,6 @@ def _rows_attention(ctr_ptr, rank, P, sid, prev, target, q_ptr, kc_ptr, vc_ptr, 
 
 
 @triton.jit
-def _offset(mp, j):
-    """Entry j of a layer's table row (a multiple of 16), kept in L2 across steps (evict_last: the weights stream
-    through with evict_first; each layer's stages wait on this load: 0.6 % a step at B = 8, session 29)."""
-    return tl.multiple_of(tl.load(mp + j, eviction_policy="evict_last"), 16)
-
-
-@triton.jit
-def _weight(w_ptr, mp, j):
-    return w_ptr + _offset(mp, j)
-
-
-@triton.jit
-def _rank(mp, j):
-    return tl.multiple_of(_offset(mp, j).to(tl.int32), 16)
-
-
-@triton.jit
 def _live(lp, j, r):
     """Components in use of projection j (PROJS order) from the layer's live widths, at most its slot width r."""
     return tl.multiple_of(tl.minimum(tl.load(lp + j, eviction_policy="evict_last"), r), 16)
@@ -405,14 +388,14 @@ def _rows_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, tz_ptr, q_ptr, a_ptr, m_ptr, 
     ss_base = tz_ptr + L * 4 * B * rmax  # (L, 2, B_PAD) sums of squares after the (L, 4, B, rmax) V outputs
     for layer in range(L):
         mp = meta_ptr + layer * META_ROW
-        rq, rk, rv = _rank(mp, 11), _rank(mp, 12), _rank(mp, 13)
-        ro, rg, ru, rd = _rank(mp, 14), _rank(mp, 15), _rank(mp, 16), _rank(mp, 17)
+        rq, rk, rv = _rank(mp, 11, True), _rank(mp, 12, True), _rank(mp, 13, True)
+        ro, rg, ru, rd = _rank(mp, 14, True), _rank(mp, 15, True), _rank(mp, 16, True), _rank(mp, 17, True)
         if MASKED:  # PARSE slots: the components in use (the batch's union, stored first), keep columns per group
             lp = live_ptr + layer * LIVE_ROW  # not through the table: no load waits on another
             lq, lk, lv = _live(lp, 0, rq), _live(lp, 1, rk), _live(lp, 2, rv)
             lo, lg, lu, ld = _live(lp, 3, ro), _live(lp, 4, rg), _live(lp, 5, ru), _live(lp, 6, rd)
-            k_qkv, k_o = keep_ptr + _offset(mp, 18), keep_ptr + _offset(mp, 19)
-            k_gu, k_d = keep_ptr + _offset(mp, 20), keep_ptr + _offset(mp, 21)
+            k_qkv, k_o = keep_ptr + _offset(mp, 18, True), keep_ptr + _offset(mp, 19, True)
+            k_gu, k_d = keep_ptr + _offset(mp, 20, True), keep_ptr + _offset(mp, 21, True)
             n_q, n_k, n_v, n_g, n_u = lq, lk, lv, lg, lu  # V rows per segment: the live ones
         else:
             lq, lk, lv, lo, lg, lu, ld = rq, rk, rv, ro, rg, ru, rd
@@ -428,37 +411,37 @@ def _rows_kernel(w_ptr, meta_ptr, head_ptr, x_ptr, tz_ptr, q_ptr, a_ptr, m_ptr, 
         ss_gu = ss_qkv + B_PAD
         _stamp(trace_ptr, rank, s0, NS, TRACE)
         _rows_v_split(ctr_ptr, rank, P, s0, tl.maximum(s0 - 1, 0), tl.where(layer == 0, 0, P), x_ptr, hidden,
-                      _weight(w_ptr, mp, 0), t_qkv, rmax, ss_qkv, rq, rq + rk, n_q, n_k, n_v, hidden, B, cover, k_qkv,
-                      stride_keep, True, B_PAD, BN_V, BK_V, STAGES, MIN_TILES, MASKED)
+                      _weight(w_ptr, mp, 0, True), t_qkv, rmax, ss_qkv, rq, rq + rk, n_q, n_k, n_v, hidden, B, cover,
+                      k_qkv, stride_keep, True, B_PAD, BN_V, BK_V, STAGES, MIN_TILES, MASKED)
         _stamp(trace_ptr, rank, s0 + 1, NS, TRACE)
-        _rows_qkv_u(ctr_ptr, rank, P, s0 + 1, s0, P, t_qkv, rmax, ss_qkv, hidden, eps, w_ptr, _offset(mp, 1),
-                    _offset(mp, 2), _offset(mp, 3), rq, rk, rv, lq, lk, lv, cos_ptr, sin_ptr, seqlens_ptr, q_ptr, kc,
-                    vc, stride_kb, stride_ks, stride_kh, B, H, HKV, HALF, B_PAD, BN_QKV, BK_QKV, STAGES)
+        _rows_qkv_u(ctr_ptr, rank, P, s0 + 1, s0, P, t_qkv, rmax, ss_qkv, hidden, eps, w_ptr, _offset(mp, 1, True),
+                    _offset(mp, 2, True), _offset(mp, 3, True), rq, rk, rv, lq, lk, lv, cos_ptr, sin_ptr, seqlens_ptr,
+                    q_ptr, kc, vc, stride_kb, stride_ks, stride_kh, B, H, HKV, HALF, B_PAD, BN_QKV, BK_QKV, STAGES)
         _stamp(trace_ptr, rank, s0 + 2, NS, TRACE)
         _rows_attention(ctr_ptr, rank, P, s0 + 2, s0 + 1, P, q_ptr, kc, vc, stride_kb, stride_ks, stride_kh,
                         seqlens_ptr, a_ptr, mid_o_ptr, mid_lse_ptr, ctr_ptr + (L * SLOTS + 2) * PAD + layer * B * HKV,
                         qk_scale, B, H // HKV, H, HKV, D, D_PAD, BLOCK_H, ATT_BLOCK_N, NUM_SPLITS, SPLITS_PAD,
                         DOT_PREC)
         _stamp(trace_ptr, rank, s0 + 4, NS, TRACE)
-        _rows_v_split(ctr_ptr, rank, P, s0 + 4, s0 + 2, P, a_ptr, H * D, _weight(w_ptr, mp, 4), t_o, rmax, ss_qkv,
-                      0, 0, lo, 0, 0, H * D, B, cover, k_o, stride_keep, False, B_PAD, BN_V, BK_V, STAGES, MIN_TILES,
-                      MASKED)
+        _rows_v_split(ctr_ptr, rank, P, s0 + 4, s0 + 2, P, a_ptr, H * D, _weight(w_ptr, mp, 4, True), t_o, rmax,
+                      ss_qkv, 0, 0, lo, 0, 0, H * D, B, cover, k_o, stride_keep, False, B_PAD, BN_V, BK_V, STAGES,
+                      MIN_TILES, MASKED)
         _stamp(trace_ptr, rank, s0 + 5, NS, TRACE)
-        _rows_gemv(ctr_ptr, rank, P, s0 + 5, s0 + 4, P, t_o, rmax, _weight(w_ptr, mp, 5), x_ptr, hidden, hidden,
-                   ro, lo, B, eps, False, True, B_PAD, BN_U, BK_U, STAGES)
+        _rows_gemv(ctr_ptr, rank, P, s0 + 5, s0 + 4, P, t_o, rmax, _weight(w_ptr, mp, 5, True), x_ptr, hidden,
+                   hidden, ro, lo, B, eps, False, True, B_PAD, BN_U, BK_U, STAGES)
         _stamp(trace_ptr, rank, s0 + 6, NS, TRACE)
-        _rows_v_split(ctr_ptr, rank, P, s0 + 6, s0 + 5, P, x_ptr, hidden, _weight(w_ptr, mp, 6), t_gu, rmax, ss_gu,
-                      rg, 0, n_g, n_u, 0, hidden, B, cover, k_gu, stride_keep, True, B_PAD, BN_V, BK_V, STAGES,
+        _rows_v_split(ctr_ptr, rank, P, s0 + 6, s0 + 5, P, x_ptr, hidden, _weight(w_ptr, mp, 6, True), t_gu, rmax,
+                      ss_gu, rg, 0, n_g, n_u, 0, hidden, B, cover, k_gu, stride_keep, True, B_PAD, BN_V, BK_V, STAGES,
                       MIN_TILES, MASKED)
         _stamp(trace_ptr, rank, s0 + 7, NS, TRACE)
-        _rows_gate_up(ctr_ptr, rank, P, s0 + 7, s0 + 6, P, t_gu, rmax, ss_gu, hidden, eps, _weight(w_ptr, mp, 7),
-                      _weight(w_ptr, mp, 8), m_ptr, inter, inter, rg, ru, lg, lu, B, B_PAD, BN_GU, BK_GU, STAGES)
+        _rows_gate_up(ctr_ptr, rank, P, s0 + 7, s0 + 6, P, t_gu, rmax, ss_gu, hidden, eps, _weight(w_ptr, mp, 7, True),
+                      _weight(w_ptr, mp, 8, True), m_ptr, inter, inter, rg, ru, lg, lu, B, B_PAD, BN_GU, BK_GU, STAGES)
         _stamp(trace_ptr, rank, s0 + 8, NS, TRACE)
-        _rows_v_split(ctr_ptr, rank, P, s0 + 8, s0 + 7, P, m_ptr, inter, _weight(w_ptr, mp, 9), t_d, rmax, ss_gu,
+        _rows_v_split(ctr_ptr, rank, P, s0 + 8, s0 + 7, P, m_ptr, inter, _weight(w_ptr, mp, 9, True), t_d, rmax, ss_gu,
                       0, 0, ld, 0, 0, inter, B, cover, k_d, stride_keep, False, B_PAD, BN_V, BK_V, STAGES, MIN_TILES,
                       MASKED)
         _stamp(trace_ptr, rank, s0 + 9, NS, TRACE)
-        _rows_gemv(ctr_ptr, rank, P, s0 + 9, s0 + 8, P, t_d, rmax, _weight(w_ptr, mp, 10), x_ptr, hidden,
+        _rows_gemv(ctr_ptr, rank, P, s0 + 9, s0 + 8, P, t_d, rmax, _weight(w_ptr, mp, 10, True), x_ptr, hidden,
                    hidden, rd, ld, B, eps, False, True, B_PAD, BN_U, BK_U, STAGES)
     # final norm (folded into the head's columns) + LM head, fp32 logits: items walk the whole row (the norm rides
     # along), enough of them at a real vocabulary

@@ -512,8 +512,8 @@ class Engine:
             self.model.embed.weight.element_size()
         if parse:
             need += max((b for (kind, _, _), b in self._held.items() if kind == "slots"), default=0)
-        freed = False
         need += self._one_row_bytes()
+        freed = False
         while self._held and sum(self._held.values()) + need > self.decoder_memory_bytes:
             kind, b, s = next(iter(self._held))
             del self._held[(kind, b, s)]
