@@ -51,7 +51,8 @@ EXTRA_ROWS = {"fusedattn": dict(attn_merge="fused"), "persist4": dict(persistent
               "pdl": dict(pdl="on"), "fused": dict(fuse_norm=True), "pdl-fused": dict(pdl="on", fuse_norm=True),
               # B = 1: the per-kernel step (the default there is the one-launch step, kernels/step_kernel.py)
               "perkernel": dict(one_launch=False), "perkernel-greedy": dict(one_launch=False, greedy=True),
-              # B > 1: the whole step in one persistent launch (kernels/step_rows.py; the default there is per-kernel)
+              # B > 1: the whole step in one persistent launch (kernels/step_rows.py; the default there on Hopper
+              # since session 27, so these rows force what auto_one_launch already picks)
               "rows": dict(one_launch=True), "rows-greedy": dict(one_launch=True, greedy=True)}
 DTYPES = {"cuda": torch.bfloat16, "cpu": torch.float32}  # the CPU run is a smoke test of this script, not a figure
 
@@ -458,12 +459,11 @@ def run_case(res: dict, cfg, family, keep, P, B, args, bw, dense_cache) -> None:
                 return time_fast(make_decoder(model, B, S, "triton", "step"), P, n, reps)
 
         add(f"ours-step-tiles-{bn}x{bk}x{w}", timed, tiles=[bn, bk, w])
-    if B == 1:
-        try:
-            case["greedy_check"] = greedy_match(model, make_decoder(model, B, P + 65, "triton", "step"), P, 64)
-            print(f"  greedy check: {case['greedy_check']}", flush=True)
-        except Exception as e:
-            case["greedy_check"] = dict(error=str(e))
+    try:  # every batch size: the default step (one launch on Hopper at B = 1..16) gates the case's figures
+        case["greedy_check"] = greedy_match(model, make_decoder(model, B, P + 65, "triton", "step"), P, 64)
+        print(f"  greedy check: {case['greedy_check']}", flush=True)
+    except Exception as e:
+        case["greedy_check"] = dict(error=str(e))
     del model
     gc.collect()
     empty_cache()
@@ -629,18 +629,36 @@ def prefill_attention_compare(model: Transformer, S: int) -> dict:
 
 
 # --- markdown --------------------------------------------------------------------------------------
+def greedy_summary(g: dict) -> str:
+    """One line of a greedy_match result (the JSON keeps every mismatch): the share of tokens that agree, the
+    first mismatch, and whether each mismatch is a near-tie (eager margin <= 2x the fast path's logit error)."""
+    if "error" in g:
+        return f"failed: {g['error'][:120]}"
+    mism = g["mismatches"]
+    line = f"{g['token_match'] * 100:.1f} % of {g['steps']} steps x rows agree"
+    if not mism:
+        return line + f"; max logit error {g['max_logit_err']:.3g}"
+    worst = max(m["eager_margin"] for m in mism)
+    ties = "every one a near-tie" if g["near_ties"] else "NOT all near-ties"
+    return (line + f"; {len(mism)} mismatches, the first at step {g['first_mismatch_step']}, {ties} (largest eager "
+            f"margin {worst:.3g}; logit error median {g['median_logit_err']:.3g}, max {g['max_logit_err']:.3g})")
+
+
 def markdown(paths: list[str]) -> str:
     docs = [json.loads(Path(p).read_text()) for p in paths]
     env = docs[0]["env"]
     lines = [f"# Decode benchmark — {env['gpu']}", "",
              f"torch {env['torch']}, triton {env['triton']}, transformers {env['transformers']}, CUDA {env['cuda']}. "
-             f"Measured device-to-device copy bandwidth: **{env['copy_bw'] / 1e12:.2f} TB/s** (bytes read + written). "
+             "Measured device-to-device copy bandwidth (bytes read + written), each file's own run: "
+             + ", ".join(f"**{d['env']['copy_bw'] / 1e12:.2f} TB/s** (`{Path(p).name}`)" for d, p in zip(docs, paths))
+             + ". "
              "Random weights at the LLaMA-7B shape, bf16 (speed does not depend on the values). "
-             "ms/token = median of the repeats (min–max); MBU = (weight + KV bytes read per token) / copy bandwidth / time. "
-             "Files: " + ", ".join(f"`{Path(p).name}`" for p in paths), ""]
+             "ms/token = median of the repeats (min–max); MBU = (weight + KV bytes read per token) / copy bandwidth / time.",
+             ""]
     for d in docs:
         for c in d.get("cases", []):
-            lines.append(f"## {c['family']} keep {c['keep']} (target {c['keep_target']}), prompt {c['prompt']}, B={c['batch']}")
+            lines.append(f"## {c['family']} keep {c['keep']} (target {c['keep_target']}), prompt {c['prompt']}, "
+                         f"B={c['batch']} (`{Path(paths[docs.index(d)]).name}`)")
             lines.append("")
             lines.append("| path | ms/token (min–max) | tok/s | MB read/token | floor ms | MBU | vs hf-lowrank |")
             lines.append("| --- | --- | --- | --- | --- | --- | --- |")
@@ -654,10 +672,11 @@ def markdown(paths: list[str]) -> str:
                              f"{r['tok_s']:.0f} | {r['bytes_per_token'] / 1e6:.0f} | {r['floor_ms']:.3f} | "
                              f"{r['mbu'] * 100:.0f}% | {sp} |")
             if "greedy_check" in c:
-                lines.append(f"\nGreedy check (fast path vs eager runtime, bf16, 64 steps, teacher-forced): {c['greedy_check']}")
+                lines.append("\nGreedy check (the default step vs the eager runtime, teacher-forced): "
+                             + greedy_summary(c["greedy_check"]))
             for k_, v_ in c.items():
                 if k_.startswith("greedy_check_"):
-                    lines.append(f"\nGreedy check of ours-step-{k_[len('greedy_check_'):]}: {v_}")
+                    lines.append(f"\nGreedy check of ours-step-{k_[len('greedy_check_'):]}: {greedy_summary(v_)}")
             if "compile_s" in c:
                 lines.append(f"\ntorch.compile warm-up: {c['compile_s']:.0f} s")
             lines.append("")

@@ -60,6 +60,20 @@ def test_markdown_renders(tmp_path):
     assert "TestGPU" in md and "3.60×" in md and "failed: boom" in md and "80%" in md
 
 
+def test_greedy_summary_is_one_line_with_the_first_mismatch():
+    from rankserve.bench.decode import greedy_summary
+    clean = dict(steps=64, token_match=1.0, first_mismatch_step=None, max_logit_err=0.05, median_logit_err=0.04,
+                 logit_std=1.0, mismatches=[], near_ties=True)
+    assert greedy_summary(clean) == "100.0 % of 64 steps x rows agree; max logit error 0.05"
+    mism = [dict(row=0, step=7, eager_margin=0.0156, logit_err=0.08), dict(row=3, step=9, eager_margin=0.5,
+                                                                              logit_err=0.09)]
+    bad = dict(clean, token_match=0.75, first_mismatch_step=7, mismatches=mism, near_ties=False)
+    line = greedy_summary(bad)
+    assert "\n" not in line and "75.0 %" in line and "2 mismatches, the first at step 7" in line
+    assert "NOT all near-ties" in line and "largest eager margin 0.5" in line
+    assert greedy_summary(dict(error="boom")) == "failed: boom"
+
+
 def test_greedy_match_reports_logit_error_and_near_ties():
     from rankserve.bench.decode import greedy_match, make_decoder
     torch.manual_seed(0)
