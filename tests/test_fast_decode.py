@@ -356,3 +356,25 @@ def test_refresh_repacks_as_a_fresh_pack(fold):
     fresh = _Layer(blk, CFG, fold=fold)
     assert L.folded == fold
     assert torch.equal(L.Vqkv, fresh.Vqkv) and torch.equal(L.Vgu, fresh.Vgu)
+
+
+def test_steps_past_max_seq_len_are_refused():
+    """After a prefill the decoder counts the steps left on the host: the step that would write a row's K/V at
+    position max_seq_len raises (on the GPU it would land in the scratch slot, then in the next row's storage)."""
+    model = _model("uneven")
+    dec = FastDecoder(model, DecodeConfig(batch_size=2, max_seq_len=9, backend="torch", graph="none"))
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="max_seq_len 9"):
+            dec.prefill(torch.zeros(2, 10, dtype=torch.long))
+        assert dec.room is None  # no prefill happened: nothing known, nothing checked
+        dec.prefill(torch.ones(2, 6, dtype=torch.long))
+        assert dec.room == 3
+        for _ in range(3):
+            dec.step(torch.ones(2, dtype=torch.long))
+        assert dec.cache.seqlens.tolist() == [9, 9] and dec.room == 0
+        with pytest.raises(ValueError, match="KV cache is full"):
+            dec.step(torch.ones(2, dtype=torch.long))
+        assert dec.cache.seqlens.tolist() == [9, 9]  # the refused step ran nothing
+        # host lengths: the longest row decides; a prefill starts the count again
+        dec.prefill(torch.ones(2, 6, dtype=torch.long), torch.tensor([4, 2]))
+        assert dec.room == 5

@@ -205,6 +205,9 @@ class FastDecoder:
     """Decode steps for a fixed batch size over a dense KV cache, optionally replayed from CUDA graphs.
 
     Use: `dec.prefill(tokens, lengths)` (eager runtime, fills the cache), then `dec.step(tokens)` per token.
+    After a prefill, `room` counts the steps left before the longest row fills the cache (max_seq_len positions);
+    a step with none left raises ValueError instead of writing past the row. It is None when the rows were placed
+    in the cache another way (the engine writes `cache.seqlens` itself and checks its own host copy of them).
     """
 
     def __init__(self, model: Transformer, dcfg: DecodeConfig, packed: list[_Layer] | None = None) -> None:
@@ -245,6 +248,7 @@ class FastDecoder:
         self.layers = packed or [_Layer(blk, cfg, fold=self.fuse) for blk in model.layers]  # may be shared
         self.cache = KVCache(cfg.num_hidden_layers, B, dcfg.max_seq_len, cfg.num_key_value_heads, cfg.head_dim,
                              device=dev, dtype=dt)
+        self.room: int | None = None  # decode steps left after prefill(); None: positions not known on the host
         half = cfg.head_dim // 2
         self.cos = model.rope_cos[:dcfg.max_seq_len, :half].contiguous()  # (S_max, D/2) fp32
         self.sin = model.rope_sin[:dcfg.max_seq_len, :half].contiguous()
@@ -355,14 +359,23 @@ class FastDecoder:
     # --- prefill ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """Fill the cache with right-padded prompts (B, S) through the eager runtime; -> last logits (B, V)."""
+        """Fill the cache with right-padded prompts (B, S) through the eager runtime; -> last logits (B, V).
+        Sets `room` from the longest row: S, or max(lengths) when lengths is on the host (no device sync)."""
+        S, S_max = tokens.shape[1], self.dcfg.max_seq_len
+        if S > S_max:
+            raise ValueError(f"prompts of {S} tokens do not fit this decoder's max_seq_len {S_max}")
+        longest = int(lengths.max()) if lengths is not None and lengths.device.type == "cpu" else S
+        self.room = None  # unknown if the prefill fails half way
         self.cache.reset()
-        return self.model(tokens, self.cache, lengths, last_only=True)
+        logits = self.model(tokens, self.cache, lengths, last_only=True)
+        self.room = S_max - longest
+        return logits
 
     # --- one decode step -------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B,) -> logits (B, V) fp32 (a view of a static buffer: copy it to keep it)."""
+        self._take_room()
         self.tokens.copy_(tokens, non_blocking=True)
         self._run()
         return self.logits
@@ -374,8 +387,19 @@ class FastDecoder:
         Start after prefill with `dec.tokens.copy_(first_tokens)`; `dec.logits` holds the step's logits."""
         if not self.dcfg.greedy:
             raise ValueError("step_greedy needs DecodeConfig(greedy=True)")
+        self._take_room()
         self._run()
         return self.tokens
+
+    def _take_room(self) -> None:
+        """One step's position, checked on the host: a step writes K/V at each row's length, which must stay below
+        max_seq_len (past it the write lands in the cache's scratch slot, then in the next row's storage)."""
+        if self.room is None:
+            return
+        if self.room <= 0:
+            raise ValueError(f"the KV cache is full: the longest row holds max_seq_len = {self.dcfg.max_seq_len} "
+                             "tokens; prefill again or build the decoder with a larger max_seq_len")
+        self.room -= 1
 
     def _run(self) -> None:
         if self.dcfg.graph == "none":
