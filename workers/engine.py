@@ -467,7 +467,7 @@ class Engine:
         forward's host time (~55 ms at the 7B shape, whatever the prompt's length) stalled every join. All slots
         models' graphs share one staging cache and one memory pool (they run one at a time); the staging cache counts
         against decoder_memory_bytes (_one_row_bytes), the graphs' pool does not, as for a static model's prefill
-        graphs."""
+        graphs (whose buckets share one pool of their own)."""
         cuda = self.device.type == "cuda"
         if cuda and self._slot_pool is None:
             self._slot_pool = torch.cuda.graph_pool_handle()

@@ -9,7 +9,8 @@ one-row staging cache; the row's K/V are then copied into its slot of the batch'
 (a real token's earlier keys are all real) and its K/V writes land in the staging cache's scratch slot.
 
 Memory: the staging cache holds one row of the whole context (1.07 GB at the 7B shape with 2,048 positions, bf16)
-and each captured bucket keeps its activations' pool; the engine counts the staging cache against its
+and the captured buckets keep their activations in one graph memory pool, shared by all of them since they replay
+one at a time (so it holds about the largest bucket's, not the sum); the engine counts the staging cache against its
 decoder_memory_bytes (Engine._one_row_bytes), not the pool.
 
     graphs = PrefillGraphs(model, max_len=2048)
@@ -61,12 +62,16 @@ class PrefillGraphs:
     def __init__(self, model: Transformer, max_len: int, graph: bool = True, stage: KVCache | None = None,
                  pool: tuple | None = None) -> None:
         """`stage` (a one-row cache of >= max_len positions) and `pool` (a graph memory pool handle) may be shared
-        by several PrefillGraphs that run one at a time (PARSE: one per rank-slots model)."""
+        by several PrefillGraphs that run one at a time (PARSE: one per rank-slots model). Without a pool, the
+        buckets' graphs share one of their own: each replay's output is copied out before the next replay, the
+        rule for graphs on one pool (as the PARSE slot graphs and ChunkedPrefill's have run on the H200)."""
         cfg, w = model.cfg, model.embed.weight
         if graph and w.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device; use graph=False on the CPU")
         if stage is not None and (stage.batch_size != 1 or stage.max_seq_len < max_len):
             raise ValueError(f"a staging cache of one row and >= {max_len} positions is needed")
+        if graph and pool is None:
+            pool = torch.cuda.graph_pool_handle()
         self.model, self.max_len, self.graph, self.pool = model, max_len, graph, pool
         # (L, 1, max_len + 1, H_kv, D): filled from position 0 by each replay, its rows copied out after
         if stage is None:
