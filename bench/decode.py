@@ -318,7 +318,7 @@ def time_fast(dec: FastDecoder, P: int, n_tokens: int, repeats: int, compiled=No
                 dec.tokens.copy_(dec.logits.argmax(-1))
                 compiled()
 
-        return time_decode(step, lambda: dec.cache.seqlens.fill_(P), n_tokens, repeats)
+        return time_decode(step, lambda: dec.rewind(P), n_tokens, repeats)
 
 
 def greedy_match(model: Transformer, dec: FastDecoder, P: int, n: int) -> dict:

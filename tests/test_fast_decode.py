@@ -378,3 +378,19 @@ def test_steps_past_max_seq_len_are_refused():
         # host lengths: the longest row decides; a prefill starts the count again
         dec.prefill(torch.ones(2, 6, dtype=torch.long), torch.tensor([4, 2]))
         assert dec.room == 5
+        dec.rewind(8)  # back (or forward) to a position: the count follows it
+        assert dec.cache.seqlens.tolist() == [8, 8] and dec.room == 1
+        with pytest.raises(ValueError, match="outside"):
+            dec.rewind(10)
+
+
+def test_timed_repeats_rewind_within_the_cache():
+    """bench/decode.py's time_fast steps its decoder through warm-up and every repeat from one prefill, rewinding to
+    the prompt in between: the host count of positions must follow the rewinds (a GPU run would stop otherwise)."""
+    from rankserve.bench.decode import time_fast
+    model = _model("uneven")
+    P, n = 6, 5
+    dec = FastDecoder(model, DecodeConfig(batch_size=2, max_seq_len=P + n + 8, backend="torch", graph="none"))
+    ms = time_fast(dec, P, n, repeats=3)
+    assert len(ms) == 3 and all(m > 0 for m in ms)
+    assert dec.cache.seqlens.tolist() == [P + n] * 2 and dec.room == 8

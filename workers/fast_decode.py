@@ -206,8 +206,9 @@ class FastDecoder:
 
     Use: `dec.prefill(tokens, lengths)` (eager runtime, fills the cache), then `dec.step(tokens)` per token.
     After a prefill, `room` counts the steps left before the longest row fills the cache (max_seq_len positions);
-    a step with none left raises ValueError instead of writing past the row. It is None when the rows were placed
-    in the cache another way (the engine writes `cache.seqlens` itself and checks its own host copy of them).
+    a step with none left raises ValueError instead of writing past the row; `rewind(pos)` sets it again. It is None
+    when the rows were placed in the cache another way (the engine writes `cache.seqlens` itself and checks its own
+    host copy of them).
     """
 
     def __init__(self, model: Transformer, dcfg: DecodeConfig, packed: list[_Layer] | None = None) -> None:
@@ -390,6 +391,14 @@ class FastDecoder:
         self._take_room()
         self._run()
         return self.tokens
+
+    def rewind(self, pos: int) -> None:
+        """Every row back to `pos` tokens (their first pos K/V kept), e.g. to time steps again from the end of a
+        prompt; `room` follows. A device fill: no sync."""
+        if not 0 <= pos <= self.dcfg.max_seq_len:
+            raise ValueError(f"position {pos} is outside 0..{self.dcfg.max_seq_len}")
+        self.cache.seqlens.fill_(pos)
+        self.room = self.dcfg.max_seq_len - pos
 
     def _take_room(self) -> None:
         """One step's position, checked on the host: a step writes K/V at each row's length, which must stay below
