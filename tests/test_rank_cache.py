@@ -249,7 +249,10 @@ def test_malformed_stream_entries_are_skipped(make_cache, server, caplog):
     wait_for(lambda: b.lookup("svd-llm", "m1", v) is not None, what="replica b to see the insert after bad entries")
     assert b.lookup("svd-llm", "m1", v).subset == {"ok": 1} and b.size("svd-llm", "m1") == 1
     assert b.redis_up and b._thread.is_alive()
-    assert sum("skipping stream entry" in m for m in caplog.messages) >= 2 * len(bad)  # a and b both skip each
+    # a and b both skip each; a's tail thread reads the stream on its own time (the wait above is on b only: a CI run
+    # once asserted with 13 of the 16 skips logged), so wait for the count rather than read it once
+    wait_for(lambda: sum("skipping stream entry" in m for m in caplog.messages) >= 2 * len(bad),
+             what="both replicas to log a skip for every bad entry")
 
 
 def test_tail_thread_survives_an_unexpected_error(make_cache):
