@@ -655,10 +655,10 @@ def markdown(paths: list[str]) -> str:
              "Random weights at the LLaMA-7B shape, bf16 (speed does not depend on the values). "
              "ms/token = median of the repeats (min–max); MBU = (weight + KV bytes read per token) / copy bandwidth / time.",
              ""]
-    for d in docs:
+    for d, path in zip(docs, paths):
         for c in d.get("cases", []):
             lines.append(f"## {c['family']} keep {c['keep']} (target {c['keep_target']}), prompt {c['prompt']}, "
-                         f"B={c['batch']} (`{Path(paths[docs.index(d)]).name}`)")
+                         f"B={c['batch']} (`{Path(path).name}`)")
             lines.append("")
             lines.append("| path | ms/token (min–max) | tok/s | MB read/token | floor ms | MBU | vs hf-lowrank |")
             lines.append("| --- | --- | --- | --- | --- | --- | --- |")

@@ -281,12 +281,11 @@ def test_one_row_prefill_caches_count_against_the_decoder_budget():
     """The one-row caches a joining prompt is prefilled into (the prefill graphs' staging cache: the whole context)
     stay once built, so they come off `decoder_memory_bytes`: two decoders that fit a budget beside them are held
     together, a budget short of them by their bytes keeps only the most recent."""
-    from rankserve.workers.engine import _kv_bytes
     sp = SamplingParams(max_new_tokens=4)
     probe = Engine.load(BUNDLED, fast_path="torch")
     probe.generate("The dog", sp)
     size = next(iter(probe._held.values()))  # a B = 1, S = 256 decoder's KV cache
-    stage = _kv_bytes(probe._prefill_graphs().stage)  # one row of the whole context (512 positions)
+    stage = probe._prefill_graphs().stage.nbytes()  # one row of the whole context (512 positions)
     assert probe._one_row_bytes() >= stage > size
     fixed = probe._one_row_bytes()  # the staging cache and the chunked prefill's fill cache
     for budget, held in ((3 * size + fixed, [("dec", 1, 256), ("dec", 2, 256)]),  # 1 + 2 sizes fit beside them

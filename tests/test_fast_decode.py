@@ -394,3 +394,10 @@ def test_timed_repeats_rewind_within_the_cache():
     ms = time_fast(dec, P, n, repeats=3)
     assert len(ms) == 3 and all(m > 0 for m in ms)
     assert dec.cache.seqlens.tolist() == [P + n] * 2 and dec.room == 8
+
+
+def test_kv_cache_counts_its_bytes():
+    """KVCache.nbytes: keys and values at every position and the scratch slot (what the engine's budget counts)."""
+    c = KVCache(3, 2, 10, 4, 8, dtype=torch.bfloat16)
+    assert c.nbytes() == 2 * 3 * 2 * (10 + 1) * 4 * 8 * 2
+    assert c.nbytes_per_token() == 2 * 3 * 4 * 8 * 2

@@ -445,7 +445,7 @@ class Engine:
                                                  DecodeConfig(batch_size=B, max_seq_len=S, backend=mode, graph=graph),
                                                  align=GPU_ALIGN if self.device.type == "cuda" else 1)
                 sm = self._slots[(B, S)].model
-                self._held[("slots", B, S)] = _cache_bytes(self._slots[(B, S)].decoder) + sum(
+                self._held[("slots", B, S)] = self._slots[(B, S)].decoder.cache.nbytes() + sum(
                     p.numel() * p.element_size() for p in sm.parameters())
                 self._slots[(B, S)].prefills = self._slot_prefills(sm)
             self._held.move_to_end(("slots", B, S))
@@ -458,7 +458,7 @@ class Engine:
                                    self.model)
             self._decoders[(B, S)] = FastDecoder(self.model, dcfg, packed=self._packed.get(dcfg.fused()))
             self._packed[dcfg.fused()] = self._decoders[(B, S)].layers  # decoders of one layout share one copy
-            self._held[("dec", B, S)] = _cache_bytes(self._decoders[(B, S)])
+            self._held[("dec", B, S)] = self._decoders[(B, S)].cache.nbytes()
         self._held.move_to_end(("dec", B, S))
         return self._decoders[(B, S)]
 
@@ -499,7 +499,7 @@ class Engine:
         stay once built, so they come off what the decoders may hold."""
         caches = [self._prefills.stage if self._prefills is not None else None, self._slot_stage,
                   self._chunks.fill if self._chunks is not None else None]
-        return sum(_kv_bytes(c) for c in {id(c): c for c in caches if c is not None}.values())
+        return sum(c.nbytes() for c in {id(c): c for c in caches if c is not None}.values())
 
     def _make_room(self, B: int, S: int, parse: bool) -> None:
         """Drop the least recently used decoders until one more for (B, S) fits in `decoder_memory_bytes` beside the
@@ -949,13 +949,3 @@ def _mask_rows(model: Transformer, a: int, b: int) -> Iterator[None]:
     finally:
         for n, m in saved.items():
             lins[n].mask = m
-
-
-def _kv_bytes(cache: KVCache) -> int:
-    """Bytes of a KV cache's keys and values."""
-    return cache._k.numel() * cache._k.element_size() * 2
-
-
-def _cache_bytes(dec: FastDecoder) -> int:
-    """Bytes of a decoder's KV cache (its own; packed weights are shared and not counted)."""
-    return _kv_bytes(dec.cache)

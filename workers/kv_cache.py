@@ -46,6 +46,10 @@ class KVCache:
         self._k[layer][b, pos] = k.to(self._k.dtype)
         self._v[layer][b, pos] = v.to(self._v.dtype)
 
+    def nbytes(self) -> int:
+        """Bytes of the keys and values held (every position, the scratch slot included)."""
+        return 2 * self._k.numel() * self._k.element_size()
+
     def nbytes_per_token(self) -> int:
         """Bytes of K and V one token occupies across all layers."""
         L, _, _, H, D = self._k.shape
