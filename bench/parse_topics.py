@@ -71,6 +71,9 @@ def kmeans(X: torch.Tensor, k: int, iters: int = 50, seed: int = 0) -> tuple[tor
 
 def centroids(X: torch.Tensor, assign: torch.Tensor, k: int) -> torch.Tensor:
     """Unit mean of each cluster's rows (k, d); every cluster must have one."""
+    empty = [j for j in range(k) if not bool((assign == j).any())]
+    if empty:
+        raise ValueError(f"clusters {empty} have no rows; ask for fewer clusters")
     cent = torch.stack([X[assign == j].mean(0) for j in range(k)])
     return cent / cent.norm(dim=1, keepdim=True)
 
@@ -152,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     per["static-all"] = per_window(factorize(src, whole, args.base, args.keep))
     C = args.clusters
     splits = {}
-    cent, assign = kmeans(E, C)
-    splits["topic"] = (cent, assign)
+    _, assign = kmeans(E, C)
+    splits["topic"] = (centroids(E, assign, C), assign)  # refuses an empty cluster (its factors need text)
     rnd = torch.randint(0, C, (len(articles),), generator=torch.Generator().manual_seed(1))
     splits["random"] = (centroids(E, rnd, C), rnd)
     info: dict[str, dict] = {}

@@ -42,6 +42,8 @@ def test_kmeans_finds_planted_clusters():
     assert torch.allclose(centroids(X, assign, 3), cent, atol=1e-5)  # converged: centroids are the cluster means
     with pytest.raises(ValueError, match="k-means"):
         kmeans(X, 61)
+    with pytest.raises(ValueError, match=r"clusters \[3\] have no rows"):
+        centroids(X, assign, 4)
 
 
 def test_blend_is_the_per_token_mix_and_keeps_shared_inputs():
