@@ -20,6 +20,12 @@ WikiText-2 windows and the same pool (compress/parse.py `build_pool`, whitening 
     static-bytes   static truncation at the rank that reads the same bytes at decode as token-energy:
                    r' = (r_max in + K out) / (in + out), capped at r_max
     pool           all r_max components (the pool's own quality)
+    reroute-N      re-route every N tokens from the past: positions are cut into blocks of N from the window's start,
+                   and every token of block b keeps the K components of largest summed squared energy over block
+                   b - 1's tokens (block 0: static's first K). The most favourable closed form of the engine's
+                   `reroute_every` (it re-runs the prompt's routers on the whole history): the choice follows the
+                   latest tokens, with no router in between. A kernel would read V at r_max once per N tokens on
+                   the block's stored inputs and K components of V and U at every other step (`--every`)
 
 Scored as bench/parse_oracle.py scores (teacher-forced continuation after a 64-token prompt, against the dense
 model): perplexity, top-1 agreement, KL and the paired per-window Δ NLL against static.
@@ -55,6 +61,22 @@ def token_topk(lin: FactorizedLinear, x: torch.Tensor, k: int) -> torch.Tensor:
     c = F.linear(x, lin.V)  # (..., r_max)
     energy = c.abs() * lin.U.norm(dim=0)  # (..., r_max)
     keep = torch.zeros_like(c).scatter_(-1, energy.topk(k, dim=-1).indices, 1.0)
+    return F.linear(c * keep, lin.U)
+
+
+def token_rerouted(lin: FactorizedLinear, x: torch.Tensor, k: int, every: int) -> torch.Tensor:
+    """y = U (m ⊙ V x), m the same for every token of a block of `every` positions: the k components of largest
+    summed |c_i|^2 ||u_i||^2 over the previous block's tokens (the first block: components 0..k-1, static's).
+    x (B, S, in) -> (B, S, out); blocks start at position 0."""
+    c = F.linear(x, lin.V)  # (B, S, r_max)
+    B, S, r = c.shape
+    nb = -(-S // every)
+    e2 = F.pad((c * lin.U.norm(dim=0)) ** 2, (0, 0, 0, nb * every - S))  # (B, nb * every, r_max)
+    past = e2.unflatten(1, (nb, every)).sum(2)[:, :-1]  # (B, nb - 1, r_max): each block's summed energies
+    first = torch.zeros(B, 1, r, dtype=c.dtype)
+    first[..., :k] = 1.0
+    later = torch.zeros_like(past).scatter_(-1, past.topk(k, dim=-1).indices, 1.0)  # block b + 1's mask
+    keep = torch.cat([first, later], 1).repeat_interleave(every, 1)[:, :S]  # (B, S, r_max)
     return F.linear(c * keep, lin.U)
 
 
@@ -163,8 +185,10 @@ def selection(pool: Transformer, config: str, k: dict[str, int], tau: dict[str, 
                 if tau is None or kept is None:
                     raise ValueError("token-threshold needs thresholds and a kept-count record")
                 lin.forward = lambda x, lin=lin, t=tau[n], rec=kept.setdefault(n, []): token_threshold(lin, x, t, rec)
+            elif config.startswith("reroute-") and config[8:].isdigit() and int(config[8:]) >= 1:
+                lin.forward = lambda x, lin=lin, kn=k[n], e=int(config[8:]): token_rerouted(lin, x, kn, e)
             elif config != "pool":
-                raise ValueError(f"unknown config {config!r}; choose from {', '.join(CONFIGS)}")
+                raise ValueError(f"unknown config {config!r}; choose from {', '.join(CONFIGS)} or reroute-N")
         yield
     finally:
         restore(lins, k)
@@ -181,20 +205,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     ap.add_argument("--calib-windows", type=int, default=32, help="WikiText-2 valid windows setting the thresholds")
     ap.add_argument("--block", type=int, default=8, help="token-block's components a block")
+    ap.add_argument("--every", type=int, nargs="*", default=[], help="add reroute-N configs for these N")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--out", default=None, help="write the result JSON here")
     a = ap.parse_args(argv)
     if not Path(a.calib).is_file():
         print(f"error: --calib {a.calib}: no such file", file=sys.stderr)
         return 2
-    if a.windows < 0 or a.batch < 1 or a.calib_windows < 1 or a.block < 1:
-        print("error: --windows >= 0, --batch, --calib-windows and --block >= 1 wanted", file=sys.stderr)
+    if a.windows < 0 or a.batch < 1 or a.calib_windows < 1 or a.block < 1 or any(n < 1 for n in a.every):
+        print("error: --windows >= 0, --batch, --calib-windows, --block and every --every >= 1 wanted", file=sys.stderr)
         return 2
     t0 = time.time()
     tok = Tokenizer.load(a.model)
     dense, _ = load_checkpoint(a.model, "cpu", torch.float32)
     pool, k, r_max = build_pool(a.model, a.base, a.keep, a.calib, a.pool_factor, progress=False)
-    configs = ["static", *[c for c in a.configs if c != "static"]]
+    configs = ["static", *[c for c in a.configs if c != "static"], *[f"reroute-{n}" for n in a.every]]
     tau = calibrate_thresholds(pool, k, _windows(Path(a.calib).read_text(encoding="utf-8", errors="replace"), tok,
                                                  256, a.calib_windows)) if "token-threshold" in configs else None
     kept: dict[str, list[float]] = {}
@@ -217,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     weights["token-block"] = sum(lins[n].in_features * r_max[n] + lins[n].out_features
                                  * min(r_max[n], max(1, round(k[n] / a.block)) * a.block) for n in k)
     weights["pool"] = sum((lins[n].in_features + lins[n].out_features) * r_max[n] for n in k)
+    for e in a.every:  # K of V and U a step, plus V at r_max once a block (on the block's stored inputs)
+        weights[f"reroute-{e}"] = weights["static"] + sum(lins[n].in_features * r_max[n] for n in k) / e
     for c, r in res.items():
         r["decode_weights_vs_static"] = weights[c] / weights["static"]
         extra = f", kept {r['kept_vs_k']:.3f} K on average" if "kept_vs_k" in r else ""

@@ -136,3 +136,34 @@ def test_token_blocks_keep_whole_blocks_of_largest_energy():
             assert torch.allclose(got[t], lin.U[:, idx] @ c[t, idx], rtol=1e-5, atol=1e-6)
         assert torch.allclose(parse_pertoken.token_blocks(lin, x, 7, 1), lin(x), rtol=1e-5, atol=1e-6)
         assert torch.allclose(parse_pertoken.token_blocks(lin, x, 2, 1), token_topk(lin, x, 2), rtol=1e-5, atol=1e-6)
+
+
+def test_reroute_keeps_the_previous_blocks_strongest_components():
+    g = torch.Generator().manual_seed(3)
+    lin = FactorizedLinear(6, 8, rank=6)
+    with torch.no_grad():
+        lin.U.copy_(torch.randn(8, 6, generator=g))
+        lin.V.copy_(torch.randn(6, 6, generator=g))
+        x = torch.randn(2, 7, 6, generator=g)  # (B, S, in): blocks of 3 are positions 0-2, 3-5, 6
+        got = parse_pertoken.token_rerouted(lin, x, 2, 3)
+        c = x @ lin.V.T  # (B, S, r)
+        e2 = (c * lin.U.norm(dim=0)) ** 2
+        for b in range(2):
+            for s in range(7):
+                blk = s // 3
+                keep = [0, 1] if blk == 0 else e2[b, 3 * (blk - 1):3 * blk].sum(0).topk(2).indices.tolist()
+                want = lin.U[:, keep] @ c[b, s, keep]
+                assert torch.allclose(got[b, s], want, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(parse_pertoken.token_rerouted(lin, x, 6, 2), lin(x), rtol=1e-5, atol=1e-5)  # K = r
+
+
+def test_reroute_over_the_whole_window_is_static(pool):
+    model, k, r_max, x = pool
+    with torch.no_grad():
+        with selection(model, "static", k):
+            static = model(x)
+        with selection(model, f"reroute-{x.shape[1]}", k):  # one block: static's first K throughout
+            assert torch.allclose(model(x), static, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="reroute-N"):
+        with selection(model, "reroute-0", k):
+            pass

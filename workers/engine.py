@@ -195,7 +195,8 @@ class Engine:
                  max_batch_size: int = 8, max_seq_len: int | None = None,
                  fast_path: str = "auto",  # "auto": Triton + CUDA graphs on CUDA, eager on CPU; "off"; "torch"|"triton"
                  routers: Routers | None = None,  # PARSE routers (`workers.parse.load_parse`); None = static ranks
-                 reroute_every: int = 0,  # PARSE: re-run the routers every N generated tokens; 0 = never
+                 reroute_every: int = 0,  # PARSE: re-run the routers every N generated tokens; 0 = never (the default:
+                 # choosing from the tokens just generated lost at every interval, parse-log.md, session 31)
                  # PARSE, generate_batch: route each batch together (workers/parse_batching.select_together): on the
                  # reference model 0.2 cut a batch of 8's union from 1.18 K to 1.02 K and lowered perplexity
                  # (477 -> 472; parse-log.md); 0 = every request its own routers' top-K
