@@ -41,7 +41,7 @@ from tqdm import tqdm
 from rankserve.bench.parse import WIKI_VALID, test_windows
 from rankserve.bench.parse_oracle import score, summarize
 from rankserve.compress.calibrate import CalibStats, calibrate
-from rankserve.compress.factorize import _fill_projections, _plan
+from rankserve.compress.factorize import factorized, plan_factors
 from rankserve.workers.checkpoint import load_checkpoint
 from rankserve.workers.model import Transformer
 from rankserve.workers.tokenizer import Tokenizer
@@ -94,17 +94,9 @@ def blend(whole: CalibStats, part: CalibStats, alpha: float) -> CalibStats:
 
 def factorize(src: Transformer, stats: CalibStats, base: str, keep: float) -> Transformer:
     """`compress_model`'s factors of src at keep from these statistics, in memory (fp32)."""
-    cfg = src.cfg
-    ranks, groups = _plan(cfg, base, keep, 2)
-    model = Transformer(cfg, ranks, groups)
-    params = dict(model.named_parameters())
+    ranks, groups = plan_factors(src.cfg, base, keep, 2)
     dense = {n: lin.dense_weight().detach() for n, lin in src.projections().items()}
-    with torch.no_grad():
-        for name, t in src.state_dict().items():  # embeddings, norms, head
-            if name.startswith(("embed.", "norm.", "lm_head.")) or name.endswith("_norm.weight"):
-                params[name].copy_(t)
-        _fill_projections(model, dense, stats, base, ranks, groups, False)
-    return model.eval()
+    return factorized(src, dense, stats, base, ranks, groups, False)[0].eval()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -178,20 +178,14 @@ def compress_model(model_dir: str | Path, out_dir: str | Path, method: str,
     src = src.float()
     cfg = src.cfg
     dense = {name: lin.dense_weight().detach() for name, lin in src.projections().items()}  # W (out, in) fp32
-    ranks, groups = _plan(cfg, method, keep, group_size)
+    ranks, groups = plan_factors(cfg, method, keep, group_size)
 
     stats: CalibStats | None = None
     if needs_calib and any(r is not None for r in ranks.values()):
         stats = calibrate(src, Tokenizer.load(model_dir), calib_text, max_tokens=calib_tokens,
                           seq_len=calib_seq_len, batch_size=calib_batch_size, progress=progress)
 
-    model = Transformer(cfg, ranks, groups, device=device)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, t in src.state_dict().items():  # embeddings, norms, head
-            if name.startswith(("embed.", "norm.", "lm_head.")) or name.endswith("_norm.weight"):
-                params[name].copy_(t)
-        kinds = _fill_projections(model, dense, stats, method, ranks, groups, progress)
+    model, kinds = factorized(src, dense, stats, method, ranks, groups, progress, device)
 
     kept, total = count_params(cfg, ranks, groups)
     provenance = {"method": method, "keep_requested": keep, "keep_achieved": round(kept / total, 6),
@@ -207,7 +201,23 @@ def compress_model(model_dir: str | Path, out_dir: str | Path, method: str,
     return save_checkpoint(out_dir, model, manifest, tokenizer_dir=model_dir, dtype=store_dtype)
 
 
-def _plan(cfg, method: str, keep: float, group_size: int) -> tuple[dict[str, int | None], dict[str, list[str]]]:
+def factorized(src: Transformer, dense: dict[str, torch.Tensor], stats: CalibStats | None, method: str,
+               ranks: dict[str, int | None], groups: dict[str, list[str]], progress: bool = True,
+               device: str = "cpu") -> tuple[Transformer, dict[str, int]]:
+    """A model with src's embeddings, norms and head and every projection factorized by `method` at `ranks`
+    (dense where None) from the dense weights W (out, in) and the calibration statistics; and the count of each
+    whitening kind used. The plan (ranks, groups) is `plan_factors`'."""
+    model = Transformer(src.cfg, ranks, groups, device=device)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, t in src.state_dict().items():  # embeddings, norms, head
+            if name.startswith(("embed.", "norm.", "lm_head.")) or name.endswith("_norm.weight"):
+                params[name].copy_(t)
+        kinds = _fill_projections(model, dense, stats, method, ranks, groups, progress)
+    return model, kinds
+
+
+def plan_factors(cfg, method: str, keep: float, group_size: int) -> tuple[dict[str, int | None], dict[str, list[str]]]:
     """Rank of every projection (None = dense) and the shared-basis groups {"q.0-1": [members]}."""
     shapes = cfg.linear_shapes()
     ranks = {proj_name(i, p): rank_for(*shapes[p], keep) for i in range(cfg.num_hidden_layers) for p in PROJS}

@@ -59,7 +59,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from rankserve.compress.calibrate import calibrate
-from rankserve.compress.factorize import _fill_projections, _plan
+from rankserve.compress.factorize import factorized, plan_factors
 from rankserve.workers.checkpoint import CheckpointError, Manifest, count_params, load_checkpoint, save_checkpoint
 from rankserve.workers.model import Transformer
 from rankserve.workers.parse import router_input
@@ -116,7 +116,7 @@ def plan_experts(cfg, base: str, keep: float, pool_factor: float = 2.0,  # r_max
     if base not in BASES:
         raise ValueError(f"unknown PARSE base {base!r}; choose one of {', '.join(BASES)}")
     _check_knobs(pool_factor, group_size)
-    ranks, groups = _plan(cfg, base, keep, group_size)
+    ranks, groups = plan_factors(cfg, base, keep, group_size)
     shapes = cfg.linear_shapes()
     k = {n: r for n, r in ranks.items() if r is not None}
     r_max = {n: min(math.ceil(pool_factor * r), *shapes[n.rsplit(".", 1)[1]]) for n, r in k.items()}
@@ -147,13 +147,7 @@ def build_pool(dense_dir: str | Path, base: str, keep: float, calib_text: str | 
     dense = {name: lin.dense_weight().detach() for name, lin in src.projections().items()}
     stats = calibrate(src, Tokenizer.load(dense_dir), calib_text, max_tokens=calib_tokens, seq_len=calib_seq_len,
                       progress=progress)
-    model = Transformer(cfg, ranks, groups)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, t in src.state_dict().items():  # embeddings, norms, head
-            if name.startswith(("embed.", "norm.", "lm_head.")) or name.endswith("_norm.weight"):
-                params[name].copy_(t)
-        _fill_projections(model, dense, stats, base, ranks, groups, progress)
+    model, _ = factorized(src, dense, stats, base, ranks, groups, progress)
     model.eval()
     return model, k, r_max
 
