@@ -27,7 +27,6 @@ Usage: python -m rankserve.bench.parse_topics --base svd-llm --out bench/results
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import tempfile
@@ -38,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from rankserve.bench.decode import write_json
 from rankserve.bench.parse import WIKI_VALID, test_windows
 from rankserve.bench.parse_oracle import score, summarize
 from rankserve.compress.calibrate import CalibStats, calibrate
@@ -179,9 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                seconds=round(time.time() - t0, 1), command="python -m rankserve.bench.parse_topics " + " ".join(
                    sys.argv[1:] if argv is None else argv))
     path = Path(args.out)
-    tmp_out = path.with_suffix(path.suffix + ".tmp")
-    tmp_out.write_text(json.dumps(out, indent=1))
-    tmp_out.replace(path)
+    write_json(path, out)
     print(f"wrote {path} in {out['seconds']:.0f} s")
     return 0
 
