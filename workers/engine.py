@@ -28,7 +28,7 @@ from rankserve.workers.model import Transformer
 from rankserve.workers.parse import Routers, apply, clear, load_parse, route_scores, select, validate
 from rankserve.workers.parse_batching import component_cost, group_by_overlap, membership, select_together
 from rankserve.workers.parse_decode import ParseSlots
-from rankserve.workers.prefill_graph import MIN_BUCKET, ChunkedPrefill, PrefillGraphs
+from rankserve.workers.prefill_graph import MIN_BUCKET, ChunkedPrefill, PrefillGraphs, pool_bytes
 from rankserve.workers.prefix_cache import PrefixCache
 from rankserve.workers.sampler import SamplingParams, sample
 from rankserve.workers.tokenizer import Tokenizer
@@ -466,9 +466,9 @@ class Engine:
     def _slot_prefills(self, model: Transformer) -> PrefillGraphs:
         """One-row prefills over a PARSE slots model (ParseSlots.prefill): CUDA graphs on the GPU, where the eager
         forward's host time (~55 ms at the 7B shape, whatever the prompt's length) stalled every join. All slots
-        models' graphs share one staging cache and one memory pool (they run one at a time); the staging cache counts
-        against decoder_memory_bytes (_one_row_bytes), the graphs' pool does not, as for a static model's prefill
-        graphs (whose buckets share one pool of their own)."""
+        models' graphs share one staging cache and one memory pool (they run one at a time); the staging cache and
+        the pool count against decoder_memory_bytes (_one_row_bytes), as a static model's prefill graphs' (whose
+        buckets share one pool of their own)."""
         cuda = self.device.type == "cuda"
         if cuda and self._slot_pool is None:
             self._slot_pool = torch.cuda.graph_pool_handle()
@@ -495,12 +495,16 @@ class Engine:
         return self._chunks
 
     def _one_row_bytes(self) -> int:
-        """Bytes of the one-row caches built so far: the prefill graphs' staging caches (static, PARSE slots) and the
-        chunked prefill's fill cache, each a whole context (1.07 GB at the 7B shape with 2,048 positions, bf16). They
-        stay once built, so they come off what the decoders may hold."""
+        """Bytes of the one-row prefills built so far: their caches (the prefill graphs' staging caches, static and
+        PARSE slots, and the chunked prefill's fill cache, each a whole context: 1.07 GB at the 7B shape with 2,048
+        positions, bf16) and their graphs' memory pools as they stand (prefill_graph.pool_bytes). They stay once
+        built, so they come off what the decoders may hold."""
         caches = [self._prefills.stage if self._prefills is not None else None, self._slot_stage,
                   self._chunks.fill if self._chunks is not None else None]
-        return sum(c.nbytes() for c in {id(c): c for c in caches if c is not None}.values())
+        pools = {self._prefills.pool if self._prefills is not None else None, self._slot_pool,
+                 self._chunks.pool if self._chunks is not None else None} - {None}
+        return sum(c.nbytes() for c in {id(c): c for c in caches if c is not None}.values()) + \
+            sum(pool_bytes(p) for p in pools)
 
     def _make_room(self, B: int, S: int, parse: bool) -> None:
         """Drop the least recently used decoders until one more for (B, S) fits in `decoder_memory_bytes` beside the

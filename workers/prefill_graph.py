@@ -10,8 +10,8 @@ one-row staging cache; the row's K/V are then copied into its slot of the batch'
 
 Memory: the staging cache holds one row of the whole context (1.07 GB at the 7B shape with 2,048 positions, bf16)
 and the captured buckets keep their activations in one graph memory pool, shared by all of them since they replay
-one at a time (so it holds about the largest bucket's, not the sum); the engine counts the staging cache against its
-decoder_memory_bytes (Engine._one_row_bytes), not the pool.
+one at a time (so it holds about the largest bucket's, not the sum); the engine counts the staging cache and the
+pool, as it stands, against its decoder_memory_bytes (Engine._one_row_bytes, `pool_bytes`).
 
     graphs = PrefillGraphs(model, max_len=2048)
     logits = graphs.prefill(prompt_ids, cache, slot)   # (V,) fp32; cache row `slot` holds the prompt, its
@@ -29,6 +29,15 @@ from rankserve.workers.kv_cache import KVCache
 from rankserve.workers.model import Transformer
 
 MIN_BUCKET = 16  # shortest padded prompt: below it a graph saves nothing worth its memory
+
+
+def pool_bytes(pool: tuple | None) -> int:
+    """Bytes the CUDA caching allocator holds in segments of the graph memory pool `pool` (a
+    torch.cuda.graph_pool_handle()); 0 for None. Host-side bookkeeping (a memory snapshot): call it when sizing, not
+    per step."""
+    if pool is None:
+        return 0
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == tuple(pool))
 
 
 def _capture(fn: Callable[[], torch.Tensor], dev: torch.device, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -155,7 +164,7 @@ class ChunkedPrefill:
         # (chunk size, start) -> (graph or None, static tokens (1, chunk), static length (1,), its logits (1, V) or None)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor, torch.Tensor,
                                                   torch.Tensor | None]] = {}
-        self._pool = torch.cuda.graph_pool_handle() if graph else None  # replays run one at a time: one pool
+        self.pool = torch.cuda.graph_pool_handle() if graph else None  # replays run one at a time: one pool
 
     def graphs(self) -> list[tuple[int, int]]:
         """(chunk size, start) of the graphs captured so far."""
@@ -186,7 +195,7 @@ class ChunkedPrefill:
         else:
             if g is None:
                 g, logits = _capture(lambda: self._forward(self.model, tokens, length, start),
-                                     self.model.embed.weight.device, self._pool)
+                                     self.model.embed.weight.device, self.pool)
                 self._graphs[key] = (g, tokens, length, logits)
             g.replay()
         return logits[0].clone()
