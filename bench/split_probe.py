@@ -1,5 +1,5 @@
 """The per-kernel step's split-K plan at B > 1 (kernels/lowrank_linear.py `split_k`): programs per block of rows
-rounded up (`ceil`, the plan since session 10: can deal a few more programs than the GPU has SMs) against rounded down
+rounded up (`ceil`, the plan since session 4: can deal a few more programs than the GPU has SMs) against rounded down
 (`floor`: at most one program per SM, the rule session 29 found right for the one-launch step's V stages,
 kernels/step_rows.py `_rows_v_split`).
 

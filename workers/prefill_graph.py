@@ -10,8 +10,10 @@ one-row staging cache; the row's K/V are then copied into its slot of the batch'
 
 Memory: the staging cache holds one row of the whole context (1.07 GB at the 7B shape with 2,048 positions, bf16)
 and the captured buckets keep their activations in one graph memory pool, shared by all of them since they replay
-one at a time (so it holds about the largest bucket's, not the sum); the engine counts the staging cache and the
-pool, as it stands, against its decoder_memory_bytes (Engine._one_row_bytes, `pool_bytes`).
+one at a time (so it holds about the largest bucket's, not the sum: 422 MiB for all 8 buckets at the 7B shape with
+2,048 positions, against 640 MiB as a pool per bucket, with every replay, in any order, equal to the eager forward's
+argmax; bench/results/prefill-pool-h200.md); the engine counts the staging cache and the pool, as it stands, against
+its decoder_memory_bytes (Engine._one_row_bytes, `pool_bytes`).
 
     graphs = PrefillGraphs(model, max_len=2048)
     logits = graphs.prefill(prompt_ids, cache, slot)   # (V,) fp32; cache row `slot` holds the prompt, its
