@@ -740,18 +740,18 @@ class _Batch:
         nxt = torch.zeros(B, dtype=torch.long)
         for r in running:
             nxt[r.slot] = r.fed
-        nxt = upload(nxt, e.device)
         if self.dec is not None:
             idle = [s for s, r in enumerate(self.slots) if r is None and self.lens[s] >= self.S - 1]
             self._reset(idle)  # every slot steps: keep the idle ones inside the cache
-            logits = self.dec.step(nxt)  # (B, V) a static buffer: read before the next step
+            logits = self.dec.step(nxt)  # host tokens: one queued copy into the step's input; (B, V) a static buffer
             self.lens = [l + 1 for l in self.lens]
             if self.dec.dcfg.greedy and any(r.params.temperature == 0 for r in running):
                 self.picking = running  # read once the step's whole prompts are queued too (_read_picks)
         else:
             active = torch.zeros(B, dtype=torch.int32)
             active[[r.slot for r in running]] = 1
-            logits = e.model(nxt[:, None], self.cache, upload(active, e.device), last_only=True)  # others: untouched
+            logits = e.model(upload(nxt, e.device)[:, None], self.cache, upload(active, e.device),
+                             last_only=True)  # others: untouched
             for r in running:
                 self.lens[r.slot] += 1
         for r in running:

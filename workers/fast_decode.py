@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from rankserve.workers.host import upload_into
 from rankserve.workers.kv_cache import KVCache
 from rankserve.workers.model import ATTN_PROJS, PROJS, Transformer
 
@@ -375,9 +376,10 @@ class FastDecoder:
     # --- one decode step -------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (B,) -> logits (B, V) fp32 (a view of a static buffer: copy it to keep it)."""
+        """tokens (B,) int64, on the host or the device -> logits (B, V) fp32 (a view of a static buffer: copy it to
+        keep it). Host tokens go straight into the step's input buffer (one queued copy, no wait)."""
         self._take_room()
-        self.tokens.copy_(tokens, non_blocking=True)
+        upload_into(self.tokens, tokens)
         self._run()
         return self.logits
 

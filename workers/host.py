@@ -16,3 +16,12 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def upload_into(dst: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """t copied into `dst` (a device buffer of its shape), queued without waiting for the device: one host-to-device
+    copy, where `dst.copy_(upload(t, ...))` adds a device-to-device one. A t already on dst's device is copied as is.
+    Returns dst."""
+    if dst.device.type == "cuda" and t.device.type == "cpu":
+        t = t.pin_memory()
+    return dst.copy_(t, non_blocking=True)

@@ -42,7 +42,7 @@ from torch import nn
 
 from rankserve.workers.align import padded
 from rankserve.workers.fast_decode import DecodeConfig, FastDecoder, _Layer, auto_one_launch
-from rankserve.workers.host import upload
+from rankserve.workers.host import upload, upload_into
 from rankserve.workers.model import ATTN_PROJS, PROJS, Transformer, proj_name
 from rankserve.workers.parse import Routers
 from rankserve.workers.parse_batching import bases, subset_ids
@@ -215,7 +215,7 @@ class ParseSlots:
             live = np.minimum(padded(size, LIVE_ALIGN), self._W)  # (M,)
             self.live.view(-1)[torch.from_numpy(self._live_at)] = torch.from_numpy(live.astype(np.int32))
             self._live = live
-            self.live_dev.copy_(upload(self.live, dev))
+            upload_into(self.live_dev, self.live)
             self.keep_all.index_fill_(1, self._routed_cols, 0)  # every routed column off, the union's rows on
             self.keep_all.index_copy_(1, cols, bits.to(self.keep_all.dtype))
         if changed.any():

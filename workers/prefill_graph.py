@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from rankserve.workers.host import upload
+from rankserve.workers.host import upload_into
 from rankserve.workers.kv_cache import KVCache
 from rankserve.workers.model import Transformer
 
@@ -113,7 +113,7 @@ class PrefillGraphs:
         g, tokens, length, logits = self._graphs[L]
         host = torch.zeros(1, L, dtype=torch.long)
         host[0, :n] = torch.tensor(ids)
-        tokens.copy_(upload(host, tokens.device))  # queued: no wait for the device's earlier work
+        upload_into(tokens, host)  # queued: no wait for the device's earlier work
         length.fill_(n)
         if g is not None:
             g.replay()
@@ -190,7 +190,7 @@ class ChunkedPrefill:
         g, tokens, length, logits = self._graphs[key]
         host = torch.zeros(1, chunk, dtype=torch.long)
         host[0, :len(piece)] = torch.tensor(piece)
-        tokens.copy_(upload(host, tokens.device))  # queued: no wait for the device's earlier work
+        upload_into(tokens, host)  # queued: no wait for the device's earlier work
         length.fill_(len(piece))
         if model is not None or not self.graph:
             logits = self._forward(model or self.model, tokens, length, start)
