@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.perf_counter()
     res: dict[str, Any] = dict(device=torch.cuda.get_device_name() if a.device == "cuda" else "CPU (smoke test)",
-                               torch=torch.__version__, triton=triton.__version__, dtype=str(DTYPES[a.device]), tokens=a.tokens, repeats=a.repeats,
-                               rounds=a.rounds, cases=[],
+                               torch=torch.__version__, triton=triton.__version__, dtype=str(DTYPES[a.device]),
+                               tokens=a.tokens, repeats=a.repeats, rounds=a.rounds, cases=[],
                                command="python -m rankserve.bench.split_probe " + " ".join(argv or sys.argv[1:]))
     out = Path(a.out)
     for spec in a.cases:

@@ -39,7 +39,8 @@ def pool_bytes(pool: tuple | None) -> int:
     per step."""
     if pool is None:
         return 0
-    return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == tuple(pool))
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+               if tuple(s.get("segment_pool_id", ())) == tuple(pool))
 
 
 def _capture(fn: Callable[[], torch.Tensor], dev: torch.device, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
