@@ -92,10 +92,11 @@ def blend(whole: CalibStats, part: CalibStats, alpha: float) -> CalibStats:
     return CalibStats(grams=grams, tokens=whole.tokens + part.tokens, seq_len=whole.seq_len, source="blend")
 
 
-def factorize(src: Transformer, stats: CalibStats, base: str, keep: float) -> Transformer:
-    """`compress_model`'s factors of src at keep from these statistics, in memory (fp32)."""
+def factorize(src: Transformer, dense: dict[str, torch.Tensor], stats: CalibStats, base: str,
+              keep: float) -> Transformer:
+    """`compress_model`'s factors of src (its dense weights W (out, in) given) at keep from these statistics, in
+    memory (fp32)."""
     ranks, groups = plan_factors(src.cfg, base, keep, 2)
-    dense = {n: lin.dense_weight().detach() for n, lin in src.projections().items()}
     return factorized(src, dense, stats, base, ranks, groups, False)[0].eval()
 
 
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     t0 = time.time()
     src, _ = load_checkpoint(args.model, "cpu", torch.float32)
+    dense = {n: lin.dense_weight().detach() for n, lin in src.projections().items()}  # W (out, in), every model's
     tok = Tokenizer.load(args.model)
     articles = split_articles(WIKI_VALID.read_text(encoding="utf-8"))
     emb = Embedder()
@@ -141,10 +143,10 @@ def main(argv: list[str] | None = None) -> int:
             return calibrate(src, tok, path, max_tokens=10 ** 8, progress=False)
 
     per: dict[str, dict[str, list[float]]] = {}
-    per["static"] = per_window(factorize(src, calibrate(src, tok, WIKI_VALID, max_tokens=131072, progress=False),
-                                         args.base, args.keep))
+    static = calibrate(src, tok, WIKI_VALID, max_tokens=131072, progress=False)
+    per["static"] = per_window(factorize(src, dense, static, args.base, args.keep))
     whole = stats_of(list(range(len(articles))))
-    per["static-all"] = per_window(factorize(src, whole, args.base, args.keep))
+    per["static-all"] = per_window(factorize(src, dense, whole, args.base, args.keep))
     C = args.clusters
     splits = {}
     _, assign = kmeans(E, C)
@@ -162,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         for a in args.alphas:
             outs = []
             for p in parts:
-                outs.append(per_window(factorize(src, blend(whole, p, a), args.base, args.keep)))
+                outs.append(per_window(factorize(src, dense, blend(whole, p, a), args.base, args.keep)))
                 bar.update()
             nll = torch.tensor([o["nll"] for o in outs])  # (C, n_w)
             best = nll.argmin(0)

@@ -68,8 +68,10 @@ def check(model: Transformer, max_len: int, per_bucket: int = 2, seed: int = 0) 
         sync()
         captures.append(dict(bucket=L, pool_mib=_mib(pool_bytes(graphs.pool)),
                              reserved_growth_mib=_mib((torch.cuda.memory_reserved() if cuda else 0) - reserved0)))
-    lengths = [n for L in buckets(max_len) for n in
-               sorted({min(L, max(1, L // 2 + 1 + rng.randrange(max(1, L // 2)))) for _ in range(per_bucket)} | {L})]
+    lengths = []
+    for prev, L in zip([0] + buckets(max_len)[:-1], buckets(max_len)):  # n pads to L when prev < n <= L
+        lo = max(prev, L // 2)  # the upper half of the bucket: padded, but not mostly padding
+        lengths += sorted({lo + 1 + rng.randrange(L - lo) for _ in range(per_bucket)} | {L})
     rng.shuffle(lengths)
     replays = []
     for n in lengths:

@@ -70,10 +70,7 @@ def plan(fn):
 
 def splits_of(dec) -> list[dict[str, Any]]:
     """Layer 0's V-stage splits: stage and programs per block of rows (stages left whole are not listed)."""
-    out = []
-    for group, (n, _) in sorted(dec.splits[0].items()):
-        out.append(dict(stage=group, split=n))
-    return out
+    return [dict(stage=group, split=n) for group, (n, _) in sorted(dec.splits[0].items())]
 
 
 def run_case(spec: str, args) -> dict[str, Any]:

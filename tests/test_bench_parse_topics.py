@@ -64,7 +64,8 @@ def test_blend_is_the_per_token_mix_and_keeps_shared_inputs():
 def test_in_memory_factors_equal_the_compressed_checkpoint(base, tmp_path):
     src, _ = load_checkpoint(STORIES, "cpu", torch.float32)
     stats = calibrate(src, Tokenizer.load(STORIES), CALIB, max_tokens=8192, progress=False)
-    mine = factorize(src, stats, base, 0.6)
+    dense = {n: lin.dense_weight().detach() for n, lin in src.projections().items()}
+    mine = factorize(src, dense, stats, base, 0.6)
     out = compress_model(STORIES, tmp_path / "c", base, 0.6, calib_text=CALIB, calib_tokens=8192, progress=False)
     theirs, _ = load_checkpoint(out, "cpu", torch.float32)
     x = torch.randint(3, 512, (2, 24), generator=torch.Generator().manual_seed(0))

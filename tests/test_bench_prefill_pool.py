@@ -9,6 +9,7 @@ from pathlib import Path
 
 from rankserve.bench import prefill_pool
 from rankserve.workers.engine import Engine
+from rankserve.workers.prefill_graph import pool_bytes
 
 STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
 
@@ -43,3 +44,18 @@ def test_cli_writes_json_and_markdown(tmp_path):
     res = json.loads(out.read_text())
     assert res["device"] == "CPU" and res["all_argmax_equal"]
     assert "eagerly" in out.with_suffix(".md").read_text()
+
+
+def test_draws_stay_in_their_bucket_when_the_context_is_not_a_power_of_two():
+    model = Engine.load(STORIES).model
+    res = prefill_pool.check(model, max_len=100, per_bucket=3, seed=2)
+    per_bucket = {}
+    for r in res["replays"]:
+        per_bucket.setdefault(r["bucket"], []).append(r["tokens"])
+    assert sorted(per_bucket) == [16, 32, 64, 100]
+    assert all(64 < n <= 100 for n in per_bucket[100])  # drawn above the previous bucket, so they pad to 100
+    assert res["all_argmax_equal"] and res["all_seqlens_right"]
+
+
+def test_pool_bytes_of_no_pool_is_zero():
+    assert pool_bytes() == 0 and pool_bytes(None, None) == 0

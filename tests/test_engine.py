@@ -264,14 +264,14 @@ def test_decoders_held_within_their_memory_budget():
     one.generate("The dog", SamplingParams(max_new_tokens=4))
     size = next(iter(one._held.values()))  # one B = 1, S = 256 decoder's KV cache
     assert size > 0
-    fixed = one._one_row_bytes()  # the one-row prefill caches built while generating: they stay
+    fixed = one._prefill_bytes()  # the one-row prefill caches built while generating: they stay
     tight = Engine.load(BUNDLED, fast_path="torch", decoder_memory_bytes=3 * size + fixed)
     sp = SamplingParams(max_new_tokens=10)
     prompts = ["Once upon a time", "The dog ran", "Lily"]
     for batch in ([prompts[0]], prompts[:2], [prompts[0]]):  # B = 1, then 2 (needs 2 x size: B = 1 goes), then 1
         got = tight.generate_batch(batch, [sp] * len(batch))
         assert [g.token_ids for g in got] == [r.token_ids for r in eager.generate_batch(batch, [sp] * len(batch))]
-        assert sum(tight._held.values()) + tight._one_row_bytes() <= 3 * size + fixed
+        assert sum(tight._held.values()) + tight._prefill_bytes() <= 3 * size + fixed
     assert list(tight._held) == [("dec", 2, 256), ("dec", 1, 256)] and sorted(tight._decoders) == [(1, 256), (2, 256)]
     tight.generate_batch(prompts, [sp] * 3)  # B = 3 -> the bucket of 4 (4 x size): everything else goes
     assert list(tight._held) == [("dec", 4, 256)]
@@ -286,17 +286,17 @@ def test_one_row_prefill_caches_count_against_the_decoder_budget():
     probe.generate("The dog", sp)
     size = next(iter(probe._held.values()))  # a B = 1, S = 256 decoder's KV cache
     stage = probe._prefill_graphs().stage.nbytes()  # one row of the whole context (512 positions)
-    assert probe._one_row_bytes() >= stage > size
-    fixed = probe._one_row_bytes()  # the staging cache and the chunked prefill's fill cache
+    assert probe._prefill_bytes() >= stage > size
+    fixed = probe._prefill_bytes()  # the staging cache and the chunked prefill's fill cache
     for budget, held in ((3 * size + fixed, [("dec", 1, 256), ("dec", 2, 256)]),  # 1 + 2 sizes fit beside them
                          (3 * size, [("dec", 2, 256)]),  # they did without counting them
                          (int(2.5 * size) + fixed, [("dec", 2, 256)])):
         e = Engine.load(BUNDLED, fast_path="torch", decoder_memory_bytes=budget)
         e.generate_batch(["Once upon a time"], [sp])
         e.generate_batch(["Once upon a time", "The dog ran"], [sp] * 2)  # B = 2: ~2 x size more
-        assert e._one_row_bytes() == probe._one_row_bytes()  # built while generating, as in the probe
+        assert e._prefill_bytes() == probe._prefill_bytes()  # built while generating, as in the probe
         assert list(e._held) == held
-        assert sum(e._held.values()) + e._one_row_bytes() <= max(budget, 2 * size + fixed)  # the newest is kept
+        assert sum(e._held.values()) + e._prefill_bytes() <= max(budget, 2 * size + fixed)  # the newest is kept
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

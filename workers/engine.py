@@ -467,7 +467,7 @@ class Engine:
         """One-row prefills over a PARSE slots model (ParseSlots.prefill): CUDA graphs on the GPU, where the eager
         forward's host time (~55 ms at the 7B shape, whatever the prompt's length) stalled every join. All slots
         models' graphs share one staging cache and one memory pool (they run one at a time); the staging cache and
-        the pool count against decoder_memory_bytes (_one_row_bytes), as a static model's prefill graphs' (whose
+        the pool count against decoder_memory_bytes (_prefill_bytes), as a static model's prefill graphs' (whose
         buckets share one pool of their own)."""
         cuda = self.device.type == "cuda"
         if cuda and self._slot_pool is None:
@@ -494,17 +494,16 @@ class Engine:
                                           graph=self.device.type == "cuda" and self.routers is None)
         return self._chunks
 
-    def _one_row_bytes(self) -> int:
+    def _prefill_bytes(self) -> int:
         """Bytes of the one-row prefills built so far: their caches (the prefill graphs' staging caches, static and
         PARSE slots, and the chunked prefill's fill cache, each a whole context: 1.07 GB at the 7B shape with 2,048
         positions, bf16) and their graphs' memory pools as they stand (prefill_graph.pool_bytes). They stay once
         built, so they come off what the decoders may hold."""
         caches = [self._prefills.stage if self._prefills is not None else None, self._slot_stage,
                   self._chunks.fill if self._chunks is not None else None]
-        pools = {self._prefills.pool if self._prefills is not None else None, self._slot_pool,
-                 self._chunks.pool if self._chunks is not None else None} - {None}
         return sum(c.nbytes() for c in {id(c): c for c in caches if c is not None}.values()) + \
-            sum(pool_bytes(p) for p in pools)
+            pool_bytes(self._prefills.pool if self._prefills is not None else None, self._slot_pool,
+                       self._chunks.pool if self._chunks is not None else None)
 
     def _make_room(self, B: int, S: int, parse: bool) -> None:
         """Drop the least recently used decoders until one more for (B, S) fits in `decoder_memory_bytes` beside the
@@ -517,7 +516,7 @@ class Engine:
             self.model.embed.weight.element_size()
         if parse:
             need += max((b for (kind, _, _), b in self._held.items() if kind == "slots"), default=0)
-        need += self._one_row_bytes()
+        need += self._prefill_bytes()
         freed = False
         while self._held and sum(self._held.values()) + need > self.decoder_memory_bytes:
             kind, b, s = next(iter(self._held))

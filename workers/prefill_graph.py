@@ -13,7 +13,7 @@ and the captured buckets keep their activations in one graph memory pool, shared
 one at a time (so it holds about the largest bucket's, not the sum: 422 MiB for all 8 buckets at the 7B shape with
 2,048 positions, against 640 MiB as a pool per bucket, with every replay, in any order, equal to the eager forward's
 argmax; bench/results/prefill-pool-h200.md); the engine counts the staging cache and the pool, as it stands, against
-its decoder_memory_bytes (Engine._one_row_bytes, `pool_bytes`).
+its decoder_memory_bytes (Engine._prefill_bytes, `pool_bytes`).
 
     graphs = PrefillGraphs(model, max_len=2048)
     logits = graphs.prefill(prompt_ids, cache, slot)   # (V,) fp32; cache row `slot` holds the prompt, its
@@ -33,14 +33,14 @@ from rankserve.workers.model import Transformer
 MIN_BUCKET = 16  # shortest padded prompt: below it a graph saves nothing worth its memory
 
 
-def pool_bytes(pool: tuple | None) -> int:
-    """Bytes the CUDA caching allocator holds in segments of the graph memory pool `pool` (a
-    torch.cuda.graph_pool_handle()); 0 for None. Host-side bookkeeping (a memory snapshot): call it when sizing, not
-    per step."""
-    if pool is None:
+def pool_bytes(*pools: tuple | None) -> int:
+    """Bytes the CUDA caching allocator holds in segments of these graph memory pools (torch.cuda.graph_pool_handle()
+    handles; None ones are skipped, and none at all give 0). One memory snapshot, host-side bookkeeping: call it when
+    sizing, not per step."""
+    ids = {tuple(p) for p in pools if p is not None}
+    if not ids:
         return 0
-    return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
-               if tuple(s.get("segment_pool_id", ())) == tuple(pool))
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) in ids)
 
 
 def _capture(fn: Callable[[], torch.Tensor], dev: torch.device, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
