@@ -328,6 +328,39 @@ def test_one_row_prefill_reads_the_rows_own_components():
         assert slots.prefill(ids, cache, 0) is None
 
 
+def test_a_replayed_prefill_leaves_the_modules_alone():
+    """When the bucket's graph is captured (PrefillGraphs.replays), the prefill reads only the row's keep buffer
+    and runs no module, so ParseSlots.prefill does not repoint the masks and caps (stood in for here: the CPU has
+    no graphs); before the capture it does, as the capture reads them."""
+    from rankserve.workers.prefill_graph import PrefillGraphs
+
+    class Seen(PrefillGraphs):
+        captured = False
+
+        def replays(self, n: int) -> bool:
+            return self.captured
+
+        def prefill(self, ids, cache, slot):
+            seen.append({n: l.mask is slots._row_mask[n] for n, l in slots.model.projections().items()
+                         if n in slots._row_mask})
+            # a replay would run the captured graph; the eager stand-in can only run before "capture"
+            return torch.zeros(CFG.vocab_size) if self.captured else super().prefill(ids, cache, slot)
+
+    pool, routers = _pool()
+    seen: list[dict] = []
+    slots = ParseSlots(pool, routers, DecodeConfig(batch_size=2, max_seq_len=32, backend="torch", graph="none"))
+    slots.prefills = Seen(slots.model, 32, graph=False)
+    with torch.no_grad():
+        slots.load(_overlapping(routers, 2, tail=1, seed=0))
+        slots.prefill([5, 9, 2], slots.decoder.cache, 1)
+        slots.prefills.captured = True
+        slots.row_keep.zero_()
+        slots.prefill([5, 9, 2], slots.decoder.cache, 1)
+    assert seen[0] and all(seen[0].values())  # the capture (here: eager run) reads the row's masks
+    assert not any(seen[1].values())  # a replay: the batch's masks stay in place
+    assert torch.equal(slots.row_keep, slots.keep_all[1:2])  # the row's bits still reach the buffer graphs read
+
+
 def test_masked_slots_take_the_one_launch_step_where_it_is_on(monkeypatch):
     """ParseSlots leaves one_launch to auto_one_launch at B > 1 as at B = 1 (on a Hopper GPU it turns it on: the
     masked kernels/step_rows.py, measured faster than the per-kernel step since session 28); here the decision is

@@ -44,6 +44,7 @@ def test_prefill_into_a_slot_equals_the_eager_prefill(n):
     keep[2] = False
     assert torch.equal(cache._k[:, keep], before_k[:, keep])
     assert graphs.buckets() == [graphs.bucket(n)] and graphs.bucket(n) >= max(n, 16)
+    assert not graphs.replays(n)  # an eager bucket: the model's modules run on every call
 
 
 def test_a_prompt_past_the_cache_is_refused():

@@ -97,6 +97,12 @@ class PrefillGraphs:
         """Padded length of an n-token prompt."""
         return min(max(MIN_BUCKET, 1 << (n - 1).bit_length()), self.max_len)
 
+    def replays(self, n: int) -> bool:
+        """Whether an n-token prompt replays a graph already captured, so that no module of the model runs (its
+        attributes, such as a PARSE slot's masks, are then not read: what the graph captured is)."""
+        entry = self._graphs.get(self.bucket(n))
+        return entry is not None and entry[0] is not None
+
     def buckets(self) -> list[int]:
         """Buckets captured so far."""
         return sorted(self._graphs)
