@@ -192,7 +192,7 @@ def prefill_latency(eng: Engine, lengths: list[int], repeats: int = 5) -> list[d
 
     cfg, w = eng.cfg, eng.model.embed.weight
     graphs = eng._prefill_graphs()
-    if graphs is None:  # PARSE: joining rows are prefilled eagerly (per-row masks)
+    if graphs is None:  # PARSE: its joins replay the rank slots' graphs (bench/slot_prefill.py times those)
         return []
     out = []
     for n in lengths:
