@@ -10,6 +10,11 @@ returns (the replay queued), `wall_ms` until the device is done. Their logits mu
 entering and leaving `_row_mode`.
 
     python -m rankserve.bench.slot_prefill --out bench/results/slot-prefill-h200.json      # GPU
+    python -m rankserve.bench.slot_prefill --cpu-layers 32 --out bench/results/slot-prefill-cpu.json
+
+`--cpu-layers N` runs on the CPU instead, with a tiny random pool of N layers (the 7B shape's matrix count at 32):
+there are no graphs, so both ways run the modules in row mode, and the figure it is for is `_row_mode`'s own cost,
+which is per module, not per byte.
 """
 
 from __future__ import annotations
@@ -93,6 +98,31 @@ def measure(slots: ParseSlots, lengths: list[int], repeats: int = 20, slot: int 
                 row_mode_alone_ms=round(statistics.median(enter), 3))
 
 
+def tiny_slots(layers: int = 2, batch: int = 2, union: float = 1.1) -> ParseSlots:
+    """Rank slots over a tiny random PARSE pool on the CPU (hidden 64, every matrix r_max 16, K 8), loaded with
+    overlapping subsets and given eager one-row prefills."""
+    from rankserve.bench.parse_speed import overlapping_subsets
+    from rankserve.workers.config import ModelConfig
+    from rankserve.workers.fast_decode import DecodeConfig
+    from rankserve.workers.model import PROJS, Transformer, proj_name
+    from rankserve.workers.parse import Routers
+    from rankserve.workers.prefill_graph import PrefillGraphs
+
+    cfg = ModelConfig(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    ranks = {proj_name(i, p): 16 for i in range(layers) for p in PROJS}
+    pool = Transformer(cfg, ranks).eval()
+    with torch.no_grad():
+        for p in pool.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    routers = Routers(R={}, b={}, k={n: 8 for n in ranks}, r_max=dict(ranks), head={}, perm={})
+    slots = ParseSlots(pool, routers, DecodeConfig(batch_size=batch, max_seq_len=32, backend="torch", graph="none"))
+    slots.load(overlapping_subsets(routers, batch, union, 0))
+    slots.prefills = PrefillGraphs(slots.model, 32, graph=False)
+    return slots
+
+
 def markdown(res: dict[str, Any]) -> str:
     lines = [f"# A joining PARSE row's one-row prefill: host time — {res['device']}", "",
              f"torch {res['torch']}; {res['shape']}; rank slots of B = {res['batch']} rows, "
@@ -113,18 +143,32 @@ def markdown(res: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rankserve.bench.slot_prefill", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=Path, help="results JSON (markdown beside it, .md)")
-    ap.add_argument("--lengths", nargs="+", type=int, default=[16, 128, 512])
+    ap.add_argument("--lengths", nargs="+", type=int, default=None, help="prompt lengths (default 16 128 512; on the CPU 16)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--union", type=float, default=1.04, help="the B subsets' union per matrix, in units of K")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--cpu-layers", type=int, default=None,
+                    help="run on the CPU with a tiny random pool of this many layers (prompts of <= 32 tokens)")
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("slot_prefill: needs a CUDA GPU (the graphs are the point); the CPU path is covered by the tests",
-              file=sys.stderr)
+    cpu = a.cpu_layers is not None
+    if not cpu and not torch.cuda.is_available():
+        print("slot_prefill: needs a CUDA GPU (the graphs are the point), or --cpu-layers N for _row_mode's own "
+              "cost on the CPU", file=sys.stderr)
         return 2
-    if a.batch < 2 or a.repeats < 1 or not 1.0 <= a.union <= 2.0 or min(a.lengths) < 1 or max(a.lengths) > 2048:
-        print("slot_prefill: --batch >= 2, --repeats >= 1, --union in [1, 2], --lengths in 1..2048", file=sys.stderr)
+    longest = 32 if cpu else 2048
+    a.lengths = a.lengths or ([16] if cpu else [16, 128, 512])
+    if a.batch < 2 or a.repeats < 1 or not 1.0 <= a.union <= 2.0 or min(a.lengths) < 1 or max(a.lengths) > longest \
+            or (cpu and a.cpu_layers < 1):
+        print(f"slot_prefill: --batch >= 2, --repeats >= 1, --union in [1, 2], --lengths in 1..{longest}, "
+              "--cpu-layers >= 1", file=sys.stderr)
         return 2
+    if cpu:
+        res = dict(device="CPU", torch=torch.__version__, union=a.union, repeats=a.repeats,
+                   shape=f"tiny random pool of {a.cpu_layers} layers (hidden 64), no graphs: both ways run eagerly",
+                   **measure(tiny_slots(a.cpu_layers, a.batch, a.union), a.lengths, a.repeats))
+        write_results(a.out, res, markdown(res))
+        print(markdown(res))
+        return 0
     from rankserve.bench.continuous import random_7b
     from rankserve.bench.parse_speed import overlapping_subsets
     from rankserve.workers.align import GPU_ALIGN
