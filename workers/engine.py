@@ -24,7 +24,7 @@ from rankserve.workers.checkpoint import Manifest, load_checkpoint
 from rankserve.workers.fast_decode import DecodeConfig, FastDecoder, auto_one_launch
 from rankserve.workers.host import upload
 from rankserve.workers.kv_cache import KVCache
-from rankserve.workers.model import Transformer
+from rankserve.workers.model import FactorizedLinear, Transformer
 from rankserve.workers.parse import Routers, apply, clear, load_parse, route_scores, select, validate
 from rankserve.workers.parse_batching import component_cost, group_by_overlap, membership, select_together
 from rankserve.workers.parse_decode import ParseSlots
@@ -587,7 +587,8 @@ class _Batch:
         self.lens: list[int] = []  # host mirror of the cache's seqlens, per slot
         self.joining: list[_Row] = []
         self.filling: list[_Row] = []  # rows with slots whose long prompts go in a chunk a step, in order
-        self.masks: dict[str, torch.Tensor | None] | None = None  # eager PARSE: the batch's masks, re-installed
+        # eager PARSE: each projection with the batch's mask for it, re-installed before a step where they differ
+        self.masks: list[tuple[FactorizedLinear, torch.Tensor | None]] | None = None
         self.moves = 0  # layout changes after the first (tests, benchmarks)
         self.prefills = 0  # prompts run (a twin's copied cache not counted)
         self.chunks = 0  # chunks of long prompts run (tests, benchmarks)
@@ -634,8 +635,9 @@ class _Batch:
         whole = [r for r in joining if all(r is not l for l in long)]
         self._arrange(running + self.filling + ready, joining)
         if self.masks is not None:  # eager PARSE: a prompt scored or routed between steps used the model's masks
-            for n, lin in e.model.projections().items():
-                lin.mask = self.masks.get(n)
+            for lin, mask in self.masks:  # no walk of the modules, and a write only where one was changed (walk
+                if lin.mask is not mask:  # and writes: 0.12 ms a step on our CPU for the bundled model's 35)
+                    lin.mask = mask
         if running:
             self._decode_step(running)
         cache = self.dec.cache if self.dec is not None else self.cache
@@ -722,7 +724,7 @@ class _Batch:
         """Eager PARSE: each slot's row's subset as its mask row (a free slot takes another row's: unread)."""
         first = next(r for r in self.slots if r is not None)
         apply(self.e.model, [(r or first).subset for r in self.slots])
-        self.masks = {n: lin.mask for n, lin in self.e.model.projections().items()}
+        self.masks = [(lin, lin.mask) for lin in self.e.model.projections().values()]
 
     def _reset(self, slots: list[int]) -> None:
         """Positions of slots with no row back to 0: a fast step advances them too."""
