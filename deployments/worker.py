@@ -68,8 +68,8 @@ class FamilySpec:
     # (5 % of the GPU's memory, 256 MB on the CPU); 0: off
     decoder_memory_gb: float | None = None  # what the GPU fast path's decoders may hold (KV caches of each batch-size
     # and context bucket, PARSE slot weights); least recently used dropped first. None: 40 % of the GPU's memory.
-    # Not counted: the graphed and chunked prefills' one-row caches and activation pools (workers/prefill_graph.py),
-    # the prefix cache (prefix_cache_gb)
+    # The graphed and chunked prefills' one-row caches and graph memory pools (workers/prefill_graph.py) count
+    # against it once built; the prefix cache (prefix_cache_gb) does not
     model_version: str | None = None  # rank-cache namespace; None = derived from the checkpoint's files
 
     def __post_init__(self) -> None:

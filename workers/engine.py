@@ -203,8 +203,9 @@ class Engine:
                  parse_pull: float = 0.2,
                  extra_eos: tuple[int, ...] = (),  # more ids that end a reply (generation_config.json's)
                  # bytes the fast path's decoders (KV caches, PARSE slot weights) may hold together, with the one-row
-                 # prefill caches once built (fixed: they shrink what the decoders may hold); the least recently used
-                 # decoders go first. None: 40 % of the GPU's memory (unbounded on the CPU)
+                 # prefill caches and their graphs' memory pools once built (they stay: they shrink what the decoders
+                 # may hold); the least recently used decoders go first. None: 40 % of the GPU's memory (unbounded on
+                 # the CPU)
                  decoder_memory_bytes: int | None = None,
                  # a prompt longer than this joins a batch whose rows are decoding this many tokens a step (they take
                  # a step between its chunks instead of waiting for the whole prompt); 0: whole prompts. None: 512,
