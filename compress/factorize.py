@@ -248,8 +248,8 @@ def _fill_projections(model: Transformer, dense: dict[str, torch.Tensor], stats:
 
     def whitening(members: list[str]) -> Whitening:
         key = tuple(id(stats.grams[m]) for m in members)
-        if key not in cache:
-            cache[key] = whiten(sum(stats.grams[m] for m in members))
+        if key not in cache:  # on the weights' device (calibrate returns the Grams on the CPU)
+            cache[key] = whiten(sum(stats.grams[m] for m in members).to(dense[members[0]].device))
             kinds[cache[key].kind] = kinds.get(cache[key].kind, 0) + 1
         return cache[key]
 

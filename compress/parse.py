@@ -134,20 +134,21 @@ def _check_knobs(pool_factor: float, group_size: int) -> None:
 
 def build_pool(dense_dir: str | Path, base: str, keep: float, calib_text: str | Path, pool_factor: float = 2.0,
                calib_tokens: int = 131072, calib_seq_len: int | None = None, group_size: int = 2,
-               progress: bool = True) -> tuple[Transformer, dict[str, int], dict[str, int]]:
-    """The base compressor's factors at r_max (fp32 Transformer), K and r_max per projection.
+               progress: bool = True, device: str = "cpu",  # where calibration and the SVDs run, and the pool lives
+               ) -> tuple[Transformer, dict[str, int], dict[str, int]]:
+    """The base compressor's factors at r_max (fp32 Transformer on `device`), K and r_max per projection.
 
     Calibration and factorization are `compress_model`'s own (same defaults), so the first K components of
     each matrix are the static checkpoint's factors.
     """
-    src, _ = load_checkpoint(dense_dir, "cpu", torch.float32)
+    src, _ = load_checkpoint(dense_dir, device, torch.float32)
     cfg = src.cfg
     k, r_max, groups = plan_experts(cfg, base, keep, pool_factor, group_size)
     ranks = {n: r_max.get(n) for n in src.projections()}
     dense = {name: lin.dense_weight().detach() for name, lin in src.projections().items()}
     stats = calibrate(src, Tokenizer.load(dense_dir), calib_text, max_tokens=calib_tokens, seq_len=calib_seq_len,
                       progress=progress)
-    model, _ = factorized(src, dense, stats, base, ranks, groups, progress)
+    model, _ = factorized(src, dense, stats, base, ranks, groups, progress, device)
     model.eval()
     return model, k, r_max
 
@@ -208,6 +209,12 @@ class RouterData:
     @property
     def n(self) -> int:
         return next(iter(self.Y.values())).shape[0]
+
+    def to(self, device: str | torch.device) -> "RouterData":
+        """The same data with every tensor on `device` (training runs where the data is)."""
+        move = lambda d: {n: v.to(device) for n, v in d.items()}  # noqa: E731
+        return RouterData(windows=self.windows.to(device), x=move(self.x), a=move(self.a), Y=move(self.Y),
+                          zs=move(self.zs), G_off=move(self.G_off), scale=self.scale)
 
     def loss(self, proj: str, idx: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         """Relative reconstruction error (B,) of masks m (B, r_max) on windows idx (B,)."""
@@ -302,13 +309,16 @@ def collect(model: Transformer, dense: dict[str, torch.Tensor], windows: torch.T
             sample_tokens: int = 8, batch_size: int = 16, seed: int = 0, progress: bool = True) -> RouterData:
     """Router inputs and loss statistics of `model` (every component on) over `windows` (P, L).
 
-    dense {proj: W [out, in]} are the dense model's weights: the targets are W x on the same inputs x.
+    dense {proj: W [out, in]} are the dense model's weights (on the model's device): the targets are W x on the
+    same inputs x. The forwards run on the model's device; the data it returns is on the CPU (it is saved).
     """
     lins = {n: l for n, l in model.projections().items() if l.factorized}
+    dev = model.embed.weight.device
     P, L = windows.shape
     T_s = min(sample_tokens, L)
     gen = torch.Generator().manual_seed(seed)
     sample = torch.stack([torch.randperm(L, generator=gen)[:T_s] for _ in range(P)])  # (P, T_s) token positions
+    sample_dev = sample.to(dev)
     x = {router_input(n): torch.empty(P, lins[router_input(n)].in_features) for n in lins}
     a = {n: torch.empty(P, l.rank) for n, l in lins.items()}
     Y = {n: torch.empty(P) for n in lins}
@@ -319,7 +329,7 @@ def collect(model: Transformer, dense: dict[str, torch.Tensor], windows: torch.T
         off = G - torch.diag(G.diagonal())
         norm = G.diagonal().clamp_min(1e-30).sqrt()
         if (off / norm[:, None] / norm[None, :]).abs().max() > ORTHOGONAL_TOL:
-            G_off[n], zs[n] = off, torch.empty(P, T_s, l.rank)
+            G_off[n], zs[n] = off.cpu(), torch.empty(P, T_s, l.rank)
         UtW[n] = U.T @ dense[n].float()  # (r, in): Uᵀ y = (UᵀW) x
     rows = slice(0, 0)
 
@@ -327,14 +337,14 @@ def collect(model: Transformer, dense: dict[str, torch.Tensor], windows: torch.T
         def fn(module, inputs):
             xt = inputs[0].float()  # (B, L, in)
             if name in x:
-                x[name][rows] = xt[:, :prompt_len].mean(1)
+                x[name][rows] = xt[:, :prompt_len].mean(1).cpu()
             z = xt @ module.V.float().T  # (B, L, r)
             y = xt @ dense[name].float().T  # (B, L, out)
             G_ii = (module.U.float() ** 2).sum(0)  # (r,)
-            a[name][rows] = G_ii * (z * z).sum(1) - 2 * (z * (xt @ UtW[name].T)).sum(1)
-            Y[name][rows] = (y * y).sum((1, 2))
+            a[name][rows] = (G_ii * (z * z).sum(1) - 2 * (z * (xt @ UtW[name].T)).sum(1)).cpu()
+            Y[name][rows] = (y * y).sum((1, 2)).cpu()
             if name in zs:
-                zs[name][rows] = torch.gather(z, 1, sample[rows, :, None].expand(-1, -1, z.shape[-1]))
+                zs[name][rows] = torch.gather(z, 1, sample_dev[rows, :, None].expand(-1, -1, z.shape[-1])).cpu()
         return fn
 
     for l in lins.values():
@@ -344,7 +354,7 @@ def collect(model: Transformer, dense: dict[str, torch.Tensor], windows: torch.T
         with torch.inference_mode():
             for lo in tqdm(range(0, P, batch_size), desc="collect router data", unit="batch", disable=not progress):
                 rows = slice(lo, min(lo + batch_size, P))
-                model(windows[rows])
+                model(windows[rows].to(dev))
     finally:
         for h in handles:
             h.remove()
@@ -381,12 +391,13 @@ def train_routers(data: RouterData, k: dict[str, int], steps: int, cfg: TrainCon
     windows for static, warm start, the kept routers, and the oracle (top-K by each window's own gains −a: the
     best any router can do for orthogonal U such as svd-llm's; for Basis Sharing members it ignores the cross
     term, so it is no bound there). If `state_path` exists the run resumes from it
-    (routers, AdamW moments, best-so-far, step); it is rewritten every `cfg.save_every` steps.
+    (routers, AdamW moments, best-so-far, step); it is rewritten every `cfg.save_every` steps. It runs on the
+    data's device (`RouterData.to`), and so do the routers it returns.
     """
     cfg = cfg or TrainConfig()
-    P = data.n
+    P, dev = data.n, data.windows.device
     n_val = int(round(P * cfg.holdout))
-    train_idx, val_idx = torch.arange(P - n_val), torch.arange(P - n_val, P)
+    train_idx, val_idx = torch.arange(P - n_val, device=dev), torch.arange(P - n_val, P, device=dev)
     val = val_idx if n_val else train_idx  # without a hold-out, selection falls back to the training windows
     projs = list(k)
     mu = {n: v[train_idx].mean(0) for n, v in data.x.items()}  # input standardization
@@ -402,12 +413,13 @@ def train_routers(data: RouterData, k: dict[str, int], steps: int, cfg: TrainCon
     static_loss, warm_loss = {}, {}
     for n in tqdm(projs, desc="ridge warm start", unit="matrix", disable=not progress):
         r, d = data.a[n].shape[1], xn[router_input(n)].shape[1]
-        ramp = torch.linspace(1.0, -1.0, r)  # R = 0 with a descending bias: the static first K
+        ramp = torch.linspace(1.0, -1.0, r, device=dev)  # R = 0 with a descending bias: the static first K
         R0, b0 = _ridge(xn[router_input(n)], data.a[n], data.Y[n], train_idx, cfg.ridge,
                         lambda R, b: heldout(n, R, b))
-        static_loss[n], warm_loss[n] = heldout(n, torch.zeros(r, d), ramp), heldout(n, R0, b0)
-        best[n] = (R0, b0, warm_loss[n], "warm") if warm_loss[n] < static_loss[n] else \
-            (torch.zeros(r, d), ramp, static_loss[n], "static")
+        zero = torch.zeros(r, d, device=dev)
+        static_loss[n], warm_loss[n] = heldout(n, zero, ramp), heldout(n, R0, b0)
+        best[n] = (R0, b0, warm_loss[n], "warm") if warm_loss[n] < static_loss[n] else (zero, ramp, static_loss[n],
+                                                                                          "static")
         params[_key(n) + "_R"] = torch.nn.Parameter(R0.clone())
         params[_key(n) + "_b"] = torch.nn.Parameter(b0.clone())
     decay = [p for name, p in params.items() if name.endswith("_R")]
@@ -423,7 +435,7 @@ def train_routers(data: RouterData, k: dict[str, int], steps: int, cfg: TrainCon
                total=steps)
     for step in bar:
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # batches independent of resumption
-        idx = train_idx[torch.randint(len(train_idx), (min(cfg.batch_size, len(train_idx)),), generator=g)]
+        idx = train_idx[torch.randint(len(train_idx), (min(cfg.batch_size, len(train_idx)),), generator=g).to(dev)]
         loss = torch.stack([
             data.loss(n, idx, ste_topk(xn[router_input(n)][idx] @ params[_key(n) + "_R"].T + params[_key(n) + "_b"],
                                        k[n], cfg.temperature)).mean() for n in projs]).mean()
@@ -467,13 +479,14 @@ def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k:
     next-token distributions over every token of a window (the logit-KD term; the routers see the windows'
     pooled prompt inputs from `data`, as at serving time). Starts from (R, b) (raw-input form, as
     `train_routers` returns them); keeps the iterate with the lowest KL on `cfg.kd_eval` held-out windows,
-    the start included. Resumable through `state_path` like `train_routers`. Returns (R, b, report).
+    the start included. Resumable through `state_path` like `train_routers`. Returns (R, b, report). The models,
+    the data and (R, b) must be on one device; it runs there.
     """
     cfg = cfg or TrainConfig()
-    P = data.n
+    P, dev = data.n, data.windows.device
     n_val = int(round(P * cfg.holdout))
-    train_idx = torch.arange(P - n_val)
-    val_idx = torch.arange(P - n_val, P)[:cfg.kd_eval] if n_val else train_idx[:cfg.kd_eval]
+    train_idx = torch.arange(P - n_val, device=dev)
+    val_idx = torch.arange(P - n_val, P, device=dev)[:cfg.kd_eval] if n_val else train_idx[:cfg.kd_eval]
     lins = model.projections()
     projs = list(k)
     mu = {n: v[train_idx].mean(0) for n, v in data.x.items()}
@@ -528,7 +541,7 @@ def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k:
                    initial=start, total=steps)
         for step in bar:
             g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 7 + step)
-            idx = train_idx[torch.randint(len(train_idx), (min(cfg.kd_batch, len(train_idx)),), generator=g)]
+            idx = train_idx[torch.randint(len(train_idx), (min(cfg.kd_batch, len(train_idx)),), generator=g).to(dev)]
             masks(idx, hard=False)
             loss = kl(idx)
             opt.zero_grad(set_to_none=True)
@@ -639,11 +652,15 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
                            head_freq: float = 0.9,
                            work_dir: str | Path | None = None,  # resumable intermediates; None = .{out}.parse-work
                            keep_work: bool = False,  # keep work_dir after success
-                           progress: bool = True) -> Path:
+                           progress: bool = True,
+                           device: str = "cpu",  # where everything runs, fp32: "cpu" for the bundled and reference
+                           # models, "cuda" for a 7B one (its intermediates are stored on the CPU either way)
+                           ) -> Path:
     """Build a PARSE checkpoint from the dense native checkpoint `dense_dir`; returns `out_dir`.
 
     Intermediates (the r_max pool, the collected router data, the train state) go to `work_dir`, so a run
-    interrupted at any stage resumes where it stopped when called again with the same arguments.
+    interrupted at any stage resumes where it stopped when called again with the same arguments (on any device:
+    it is not one of the settings).
     """
     train = train or TrainConfig()
     dense_dir, out_dir = Path(dense_dir), Path(out_dir)
@@ -673,10 +690,10 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
     pool_dir = work / "pool"
     if not pool_dir.is_dir():  # stored in the source dtype and reloaded, so the routers see the served weights
         model, k, r_max = build_pool(dense_dir, base, keep, calib_text, pool_factor, calib_tokens, calib_seq_len,
-                                     group_size, progress)
+                                     group_size, progress=progress, device=device)
         pm = Manifest(family=base, ranks={}, source=dense_dir.name, provenance={"parse_pool": True, "k": k})
         save_checkpoint(pool_dir, model, pm, tokenizer_dir=dense_dir, dtype=store_dtype)
-    model, pm = load_checkpoint(pool_dir, "cpu", torch.float32)
+    model, pm = load_checkpoint(pool_dir, device, torch.float32)
     k = pm.provenance["k"]
     r_max = {n: r for n, r in pm.ranks.items() if r is not None}
 
@@ -684,17 +701,19 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
     if data_path.is_file():
         data = RouterData.load(data_path)
     else:
-        dense_model, _ = load_checkpoint(dense_dir, "cpu", torch.float32)
+        dense_model, _ = load_checkpoint(dense_dir, device, torch.float32)
         dense = {n: l.dense_weight().detach() for n, l in dense_model.projections().items()}
         del dense_model
         windows = sample_windows(train_files, tok, train.windows, train.window, train.seed)
         data = collect(model, dense, windows, train.prompt_len, train.sample_tokens, train.collect_batch,
                        train.seed, progress)
+        del dense
         data.save(data_path)
+    data = data.to(device)
 
     R, b, report = train_routers(data, k, steps, train, work / "train_state.safetensors", progress)
     if kd_steps:
-        dense_model, _ = load_checkpoint(dense_dir, "cpu", torch.float32)
+        dense_model, _ = load_checkpoint(dense_dir, device, torch.float32)
         R, b, kd_report = distill_routers(model, dense_model, data, k, R, b, kd_steps, train,
                                           work / "kd_state.safetensors", progress)
         report |= kd_report
@@ -790,10 +809,12 @@ def _load_state(path: Path, params, opt, sched, best) -> int:
             for n, p in params.items():
                 p.copy_(f.get_tensor(f"param.{n}"))
                 if f"opt.{n}.exp_avg" in keys:
-                    opt.state[p] = {"step": torch.tensor(float(step)), "exp_avg": f.get_tensor(f"opt.{n}.exp_avg"),
-                                    "exp_avg_sq": f.get_tensor(f"opt.{n}.exp_avg_sq")}
+                    opt.state[p] = {"step": torch.tensor(float(step)),
+                                    "exp_avg": f.get_tensor(f"opt.{n}.exp_avg").to(p.device),
+                                    "exp_avg_sq": f.get_tensor(f"opt.{n}.exp_avg_sq").to(p.device)}
+        dev = next(iter(params.values())).device
         for n, (loss, origin) in json.loads(meta["best"]).items():
-            best[n] = (f.get_tensor(f"best.{n}.R"), f.get_tensor(f"best.{n}.b"), loss, origin)
+            best[n] = (f.get_tensor(f"best.{n}.R").to(dev), f.get_tensor(f"best.{n}.b").to(dev), loss, origin)
     sched.last_epoch = step
     for g in opt.param_groups:  # the lr the schedule gives at `step`
         g["lr"] = g["initial_lr"] * sched.lr_lambdas[0](step)

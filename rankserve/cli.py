@@ -177,6 +177,8 @@ def compress_cmd(
     calib: Optional[Path] = typer.Option(None, "--calib", help="calibration text file (svd-llm, basis-sharing)"),
     calib_tokens: int = typer.Option(32768, "--calib-tokens", help="calibration tokens to read at most"),
     group_size: int = typer.Option(2, "--group-size", help="basis-sharing: consecutive layers per shared basis"),
+    device: str = typer.Option("cpu", "--device", help="where calibration and the SVDs run: cpu, or cuda[:N] for a "
+                               "large model (fp32 weights, fp64 factors either way)"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Factorize a model's decoder linears (plain SVD, SVD-LLM whitening, or Basis Sharing)."""
@@ -191,7 +193,7 @@ def compress_cmd(
 
         check_out_dir(out)  # before the calibration and factorization
         path = compress_model(model, out, method=method, keep=keep, calib_text=calib, calib_tokens=calib_tokens,
-                              group_size=group_size, progress=not as_json)
+                              group_size=group_size, device=_device(device), progress=not as_json)
         _, man = read_config(path)
         _emit(as_json, {"out": str(path), "method": method, "keep_requested": keep, "keep": man.keep},
               f"compressed {model} with {method} -> {path}  keep requested {keep}, achieved {man.keep:.4f}")
@@ -377,11 +379,14 @@ def train_parse_cmd(
                                             ".OUT.parse-work next to OUT, removed after success)"),
     resume: bool = typer.Option(True, "--resume/--no-resume", help="continue an interrupted run with the same "
                                 "arguments from its work dir (default), or discard that work dir and start over"),
+    device: str = typer.Option("cpu", "--device", help="where the pool, the router data and the training run (fp32): "
+                               "cpu for small models, cuda[:N] for a large one"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Build a PARSE checkpoint (rank-expert pool, per-matrix routers, frequency-sorted experts) from a dense one.
 
-    Runs on CPU in fp32. Interrupted, it keeps its intermediates in the work dir: the same command resumes there.
+    Runs in fp32 on --device (the CPU by default). Interrupted, it keeps its intermediates in the work dir: the same
+    command resumes there, on any device.
     """
     if base not in PARSE_BASES:
         _fail(f"unknown PARSE base {base!r}; choose one of: {', '.join(PARSE_BASES)}")
@@ -403,6 +408,7 @@ def train_parse_cmd(
             raise ValueError(f"{out} already exists; choose another output path or remove it first")
         for label, p in [("calibration", calib_text)] + [("training", t) for t in train_text]:
             _check_text(label, p)
+        dev = _device(device)
 
         from rankserve.compress.parse import (TrainConfig, WorkDirMismatch, build_parse_checkpoint, check_work_dir,
                                               is_work_dir)
@@ -424,7 +430,7 @@ def train_parse_cmd(
             path = build_parse_checkpoint(dense, out, keep=keep, pool_factor=pool_factor, calib_text=calib_text,
                                           train_text=list(train_text), steps=steps, kd_steps=kd_steps, base=base,
                                           train=train, calib_tokens=calib_tokens, calib_seq_len=calib_seq_len,
-                                          group_size=group_size, work_dir=work, progress=not as_json)
+                                          group_size=group_size, work_dir=work, progress=not as_json, device=dev)
         except WorkDirMismatch:
             raise ValueError(f"work dir {work} holds an unfinished run with other arguments; pass --no-resume to "
                              f"discard it, or --work-dir to start elsewhere") from None

@@ -363,9 +363,16 @@ def test_eval_arguments_and_nan_perplexity(tmp_path):
     assert sorted(f.name for f in tmp_path.iterdir()) == ["nan", "t.md"]
 
 
-def test_unusable_device_is_a_one_line_error():
+def test_unusable_device_is_a_one_line_error(tmp_path):
     assert_clean_error(rankserve("generate", BUNDLED, "--device", "bogus", "--max-new-tokens", "2"),
                        "--device 'bogus' is not usable here")
+    # the offline tools too, before any work and with nothing written (cuda:99 is refused with or without a GPU)
+    out = tmp_path / "o"
+    assert_clean_error(rankserve("compress", "--method", "svd", "--keep", "0.5", "--device", "cuda:99", BUNDLED, out),
+                       "--device 'cuda:99' is not usable here")
+    assert_clean_error(rankserve("train-parse", BUNDLED, out, *PARSE_ARGS, "--device", "bogus"),
+                       "--device 'bogus' is not usable here")
+    assert sorted(tmp_path.iterdir()) == []
     if not torch.cuda.is_available():
         assert_clean_error(rankserve("generate", BUNDLED, "--device", "cuda", "--max-new-tokens", "2"),
                            "--device 'cuda' is not usable here")

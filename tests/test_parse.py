@@ -133,6 +133,20 @@ def test_train_routers_resumes_to_the_same_result(tmp_path):
     assert rep["steps"] == 6
 
 
+def test_router_data_moves_whole():
+    """RouterData.to (training runs on the data's device, `train-parse --device`) moves every tensor it holds."""
+    g = torch.Generator().manual_seed(3)
+    n = "layers.0.attn.q"
+    data = RouterData(windows=torch.zeros(5, 4, dtype=torch.long), x={n: torch.randn(5, 6, generator=g)},
+                      a={n: torch.randn(5, 8, generator=g)}, Y={n: torch.ones(5)}, zs={n: torch.randn(5, 2, 8)},
+                      G_off={n: torch.randn(8, 8, generator=g)}, scale=2.0)
+    moved = data.to("meta")  # a device with no data: only placement is checked
+    fields = [moved.windows, *moved.x.values(), *moved.a.values(), *moved.Y.values(), *moved.zs.values(),
+              *moved.G_off.values()]
+    assert len(fields) == 6 and all(t.device.type == "meta" for t in fields) and moved.scale == 2.0
+    assert data.windows.device.type == "cpu"  # the original stays
+
+
 # --- the checkpoint ----------------------------------------------------------------------------------
 def test_checkpoint_records_parse_state(parse_dir):
     man = json.loads((parse_dir / "rankserve.json").read_text())
