@@ -8,6 +8,8 @@ Pipeline (seed-algorithms §1.5); the runtime half (select, masks, rank reuse) i
   1. pool       the base compressor at r_max = min(ceil(pool_factor·K), min(out, in)) components per matrix,
                 K = the base's own static rank at `keep`. Component i of a matrix, U[:, i] V[i, :], is an expert;
                 the mask "first K components" is exactly the static truncation (same calibration, same factors).
+                Or (`pool_from`) a low-rank native checkpoint of the same model, compressed or imported, whose own
+                components are the experts: r_max = its ranks, K as above (`native_experts`).
   2. collect    run the r_max model (every component on, as `workers.parse.select` does at serving time) over
                 windows of a training corpus; per window and matrix keep the router input x̄ and the sufficient
                 statistics of the layer-local reconstruction loss against the dense W (below).
@@ -60,7 +62,8 @@ from tqdm import tqdm
 
 from rankserve.compress.calibrate import calibrate
 from rankserve.compress.factorize import factorized, plan_factors
-from rankserve.workers.checkpoint import CheckpointError, Manifest, count_params, load_checkpoint, save_checkpoint
+from rankserve.workers.checkpoint import (CheckpointError, Manifest, count_params, load_checkpoint, read_config,
+                                          save_checkpoint)
 from rankserve.workers.model import Transformer
 from rankserve.workers.parse import router_input
 from rankserve.workers.tokenizer import Tokenizer
@@ -70,7 +73,8 @@ ORTHOGONAL_TOL = 1e-2  # column cosines of U below this count as orthogonal (bf1
 
 CHOICES = {
     "experts": "component i of a matrix, U[:, i] V[i, :] (σ folded into both factors as √σ); the pool is the base "
-               "compressor's own factorization at rank r_max, so mask = first K is the static baseline exactly",
+               "compressor's own factorization at rank r_max, so mask = first K is the static baseline exactly; or "
+               "a given low-rank checkpoint's components in their stored order (first K = it truncated to K)",
     "k": "K per matrix = the base's static rank at the same keep (svd-llm, svd: floor(keep·out·in/(out+in)); "
          "basis-sharing: the shared rank of the group), so per-token compute matches the static baseline",
     "r_max": "min(ceil(pool_factor·K), min(out, in)); resident memory is r_max components per matrix",
@@ -123,6 +127,37 @@ def plan_experts(cfg, base: str, keep: float, pool_factor: float = 2.0,  # r_max
     if not k:
         raise ValueError(f"keep={keep} leaves every projection dense: nothing to route")
     return k, r_max, groups
+
+
+def native_experts(cfg, ranks: dict[str, int | None], groups: dict[str, list[str]],
+                   keep: float) -> tuple[dict[str, int], dict[str, int]]:
+    """(K, r_max) per routed projection when the experts are a native checkpoint's own factors (its config, ranks
+    per projection, None = dense, and shared-basis groups, as its manifest has them): every
+    factorized projection is routed, r_max = its stored rank, and K = the static rank at `keep` of its shape (as
+    svd-llm plans it; for a checkpoint with shared bases, as basis-sharing plans its groups, which must match).
+    The stored order is kept, so a matrix's first K components are that checkpoint truncated to rank K: for the
+    whitened SVD families (svd-llm, basis-sharing) exactly their static compression at `keep`. Raises ValueError
+    when a matrix keeps no more than K components (nothing to choose from)."""
+    routed = [n for n, r in ranks.items() if r is not None]
+    if not routed:
+        raise ValueError("the pool checkpoint has no factorized projection: its components cannot be experts "
+                         "(pass a compressed or imported low-rank checkpoint, or build a pool with --base)")
+    size = {len(ms) for ms in groups.values()}
+    if len(size) > 1:
+        raise ValueError(f"the pool checkpoint's shared bases group {sorted(size)} layers: one group size is needed")
+    plan, planned = plan_factors(cfg, "basis-sharing" if groups else "svd-llm", keep, size.pop() if size else 2)
+    if groups and sorted(map(sorted, planned.values())) != sorted(map(sorted, groups.values())):
+        raise ValueError("the pool checkpoint's shared-basis groups are not the ones basis-sharing plans for its "
+                         "shape: K per group cannot be matched to a static baseline")
+    k, r_max = {}, {}
+    for n in routed:
+        K, r = plan[n], ranks[n]
+        if K is None or K >= r:
+            raise ValueError(f"{n} stores {r} components and keep={keep} asks for "
+                             f"{'all of them' if K is None else K}: a pool needs more components than K in every "
+                             "matrix (lower --keep, or use a checkpoint that keeps more)")
+        k[n], r_max[n] = K, r
+    return k, r_max
 
 
 def _check_knobs(pool_factor: float, group_size: int) -> None:
@@ -640,7 +675,7 @@ def check_work_dir(path: str | Path) -> None:
 def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
                            keep: float = 0.6,  # fraction of dense decoder-linear parameters the static baseline keeps
                            pool_factor: float = 2.0,  # r_max = min(ceil(pool_factor·K), min(out, in))
-                           calib_text: str | Path,  # whitening calibration text (svd-llm, basis-sharing)
+                           calib_text: str | Path | None = None,  # whitening calibration text (not with pool_from)
                            train_text: str | Path | list[str | Path],  # router corpus (.txt/.jsonl, or several
                            # files sharing the windows evenly); not the evaluation text
                            steps: int = 100,  # layer-local STE steps (after the closed-form warm start)
@@ -655,8 +690,12 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
                            progress: bool = True,
                            device: str = "cpu",  # where everything runs, fp32: "cpu" for the bundled and reference
                            # models, "cuda" for a 7B one (its intermediates are stored on the CPU either way)
+                           pool_from: str | Path | None = None,  # a native low-rank checkpoint of the same model
+                           # whose own components are the experts (native_experts); then no pool is built, and
+                           # base, pool_factor, group_size and the calibration are not used
                            ) -> Path:
-    """Build a PARSE checkpoint from the dense native checkpoint `dense_dir`; returns `out_dir`.
+    """Build a PARSE checkpoint from the dense native checkpoint `dense_dir`; returns `out_dir`. The routers are
+    trained against the dense model; the experts are a pool built from it (`base`) or `pool_from`'s factors.
 
     Intermediates (the r_max pool, the collected router data, the train state) go to `work_dir`, so a run
     interrupted at any stage resumes where it stopped when called again with the same arguments (on any device:
@@ -667,14 +706,24 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
     if out_dir.exists():
         raise CheckpointError(f"{out_dir} already exists; choose another output path or remove it first")
     train_files = [str(p) for p in train_text] if isinstance(train_text, (list, tuple)) else [str(train_text)]
-    for label, p in [("calibration", calib_text)] + [("training", t) for t in train_files]:
+    if pool_from is None and calib_text is None:
+        raise ValueError("a pool built from the dense model needs calib_text (whitening calibration)")
+    texts = [("training", t) for t in train_files] + ([("calibration", calib_text)] if pool_from is None else [])
+    for label, p in texts:
         if not Path(p).is_file():
             raise ValueError(f"{label} text {p} does not exist or is not a file")
     _check_knobs(pool_factor, group_size)
+    if pool_from is not None:  # before the work dir: a pool that cannot serve leaves nothing behind
+        _check_same_model(dense_dir, Path(pool_from))
+        pool_cfg, pool_man = read_config(pool_from)
+        native_experts(pool_cfg, pool_man.ranks, pool_man.groups, keep)
     work = Path(work_dir) if work_dir is not None else out_dir.parent / f".{out_dir.name}.parse-work"
     settings = dict(dense_dir=str(dense_dir), keep=keep, pool_factor=pool_factor, calib_text=str(calib_text),
                     train_text=train_files, base=base, calib_tokens=calib_tokens, calib_seq_len=calib_seq_len,
                     group_size=group_size, train={k: v for k, v in asdict(train).items() if k != "save_every"})
+    if pool_from is not None:  # (kept out otherwise: work dirs of earlier runs stay valid)
+        settings = dict(dense_dir=str(dense_dir), keep=keep, pool_from=str(pool_from), train_text=train_files,
+                        train=settings["train"])
     settings = json.loads(json.dumps(settings))  # tuples as lists, as read back
     check_work_dir(work)
     work.mkdir(parents=True, exist_ok=True)
@@ -686,16 +735,22 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
     (work / "settings.json").write_text(json.dumps(settings, indent=1))
 
     tok = Tokenizer.load(dense_dir)
-    store_dtype = _stored_dtype(dense_dir)
-    pool_dir = work / "pool"
-    if not pool_dir.is_dir():  # stored in the source dtype and reloaded, so the routers see the served weights
-        model, k, r_max = build_pool(dense_dir, base, keep, calib_text, pool_factor, calib_tokens, calib_seq_len,
-                                     group_size, progress=progress, device=device)
-        pm = Manifest(family=base, ranks={}, source=dense_dir.name, provenance={"parse_pool": True, "k": k})
-        save_checkpoint(pool_dir, model, pm, tokenizer_dir=dense_dir, dtype=store_dtype)
-    model, pm = load_checkpoint(pool_dir, device, torch.float32)
-    k = pm.provenance["k"]
-    r_max = {n: r for n, r in pm.ranks.items() if r is not None}
+    if pool_from is not None:  # the experts as stored, in the stored dtype: what will be served
+        store_dtype = _stored_dtype(Path(pool_from))
+        model, pm = load_checkpoint(pool_from, device, torch.float32)
+        k, r_max = native_experts(model.cfg, pm.ranks, pm.groups, keep)
+        base = pm.family
+    else:
+        store_dtype = _stored_dtype(dense_dir)
+        pool_dir = work / "pool"
+        if not pool_dir.is_dir():  # stored in the source dtype and reloaded, so the routers see the served weights
+            model, k, r_max = build_pool(dense_dir, base, keep, calib_text, pool_factor, calib_tokens, calib_seq_len,
+                                         group_size, progress=progress, device=device)
+            pm = Manifest(family=base, ranks={}, source=dense_dir.name, provenance={"parse_pool": True, "k": k})
+            save_checkpoint(pool_dir, model, pm, tokenizer_dir=dense_dir, dtype=store_dtype)
+        model, pm = load_checkpoint(pool_dir, device, torch.float32)
+        k = pm.provenance["k"]
+        r_max = {n: r for n, r in pm.ranks.items() if r is not None}
 
     data_path = work / "data.safetensors"
     if data_path.is_file():
@@ -727,6 +782,8 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
     compute_k = sum(k[n] * sum(shapes[n.rsplit(".", 1)[1]]) for n in k) + sum(
         l.in_features * l.out_features for n, l in lins.items() if n not in k)
     coverage = {n: float(freq[n][perms[n][:head[n]]].sum() / k[n]) for n in k}  # of a prompt's K, share in the head
+    if pool_from is not None:  # what was not used is not recorded
+        pool_factor, group_size = None, len(next(iter(model.groups.values()))) if model.groups else None
     state = dict(version=1, base=base, keep=keep, pool_factor=pool_factor, k=k, r_max=r_max, head=head,
                  head_freq=head_freq,
                  head_coverage=round(sum(coverage[n] * k[n] for n in k) / sum(k.values()), 4),
@@ -734,11 +791,13 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
                  keep_compute=round(compute_k / dense_params, 6),  # per-token linear FLOPs at K / dense
                  choices=CHOICES,
                  training={"corpus": [Path(t).name for t in train_files], **settings["train"], **report},
-                 calibration=dict(text=Path(calib_text).name, tokens=calib_tokens, seq_len=calib_seq_len))
+                 calibration=None if pool_from is not None else dict(text=Path(calib_text).name, tokens=calib_tokens,
+                                                                     seq_len=calib_seq_len),
+                 pool_from=None if pool_from is None else str(pool_from))
     manifest = Manifest(family=f"parse-{base}", ranks={}, source=dense_dir.name,
                         provenance=dict(method=f"parse-{base}", keep_requested=keep, pool_factor=pool_factor,
-                                        source=str(dense_dir),
-                                        group_size=group_size if base == "basis-sharing" else None),
+                                        source=str(dense_dir), pool_from=state["pool_from"],
+                                        group_size=group_size if model.groups else None),
                         methods={"parse": state})
     tensors = {f"parse.{n}.R": R[n] for n in k} | {f"parse.{n}.b": b[n] for n in k}
     tensors |= {f"parse.{n}.perm": perms[n].clone() for n in k}  # stored index → the base's index (static = perm < K)
@@ -750,6 +809,16 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
 
 
 # --- helpers -------------------------------------------------------------------------------------
+def _check_same_model(dense_dir: Path, pool_dir: Path) -> None:
+    """The pool checkpoint must be a low-rank version of the dense model: same shapes and vocabulary."""
+    (a, _), (b, _) = read_config(dense_dir), read_config(pool_dir)
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads")
+    diff = [f"{f} {getattr(a, f)} vs {getattr(b, f)}" for f in fields if getattr(a, f) != getattr(b, f)]
+    if diff:
+        raise ValueError(f"the pool checkpoint {pool_dir} is not a version of {dense_dir}: {', '.join(diff)}")
+
+
 def _stored_dtype(ckpt: Path) -> torch.dtype:
     """The dtype a checkpoint stores its weights in (the PARSE checkpoint keeps it)."""
     with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:

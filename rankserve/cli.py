@@ -357,7 +357,12 @@ def train_parse_cmd(
                                                    "in (0, 1]; sets K, the components a request uses per matrix"),
     pool_factor: float = typer.Option(2.0, "--pool-factor", help="components stored per matrix: r_max = "
                                                                  "min(ceil(pool_factor·K), min(out, in)), >= 1"),
-    calib_text: Path = typer.Option(..., "--calib-text", help="whitening calibration text"),
+    calib_text: Optional[Path] = typer.Option(None, "--calib-text", help="whitening calibration text of the pool "
+                                              "built from DENSE (required without --pool)"),
+    pool: Optional[Path] = typer.Option(None, "--pool", help="a low-rank native checkpoint of DENSE (compressed or "
+                                        "imported) whose own components are the experts, r_max = its ranks, instead "
+                                        "of a pool built by --base (--base, --pool-factor, --group-size and the "
+                                        "--calib-* options are then not used)"),
     train_text: list[Path] = typer.Option(..., "--train-text", help="router-training text, .txt or .jsonl (repeat "
                                           "for several files, sharing the windows evenly); not the evaluation text"),
     steps: int = typer.Option(100, "--steps", help="layer-local STE steps after the closed-form warm start"),
@@ -398,6 +403,9 @@ def train_parse_cmd(
         _fail(f"--group-size must be at least 1, got {group_size}")
     if steps < 0 or kd_steps < 0 or calib_tokens <= 0:
         _fail("--steps and --kd-steps must be >= 0, --calib-tokens positive")
+    if (pool is None) == (calib_text is None):
+        _fail("give --calib-text (a pool built from DENSE by --base) or --pool CHECKPOINT (its own components), "
+              "not both")
     work = work_dir or out.parent / f".{out.name}.parse-work"
 
     def body():
@@ -406,7 +414,7 @@ def train_parse_cmd(
 
         if out.exists():
             raise ValueError(f"{out} already exists; choose another output path or remove it first")
-        for label, p in [("calibration", calib_text)] + [("training", t) for t in train_text]:
+        for label, p in ([("calibration", calib_text)] if calib_text else []) + [("training", t) for t in train_text]:
             _check_text(label, p)
         dev = _device(device)
 
@@ -415,6 +423,8 @@ def train_parse_cmd(
         from rankserve.workers.checkpoint import check_out_dir, read_config
 
         read_config(dense)  # a missing or foreign checkpoint fails here, before any work
+        if pool is not None:
+            read_config(pool)
         check_out_dir(out)
         knobs = dict(windows=windows, window=window, prompt_len=prompt_len, batch_size=batch_size, kd_batch=kd_batch,
                      seed=seed)
@@ -430,7 +440,8 @@ def train_parse_cmd(
             path = build_parse_checkpoint(dense, out, keep=keep, pool_factor=pool_factor, calib_text=calib_text,
                                           train_text=list(train_text), steps=steps, kd_steps=kd_steps, base=base,
                                           train=train, calib_tokens=calib_tokens, calib_seq_len=calib_seq_len,
-                                          group_size=group_size, work_dir=work, progress=not as_json, device=dev)
+                                          group_size=group_size, work_dir=work, progress=not as_json, device=dev,
+                                          pool_from=pool)
         except WorkDirMismatch:
             raise ValueError(f"work dir {work} holds an unfinished run with other arguments; pass --no-resume to "
                              f"discard it, or --work-dir to start elsewhere") from None
@@ -445,14 +456,15 @@ def train_parse_cmd(
         _, man = read_config(path)
         st = man.methods["parse"]
         tr = st["training"]
-        info = {"out": str(path), "base": base, "keep_requested": keep, "keep_static": st["keep_static"],
+        info = {"out": str(path), "base": st["base"], "pool": st.get("pool_from"), "keep_requested": keep,
+                "keep_static": st["keep_static"],
                 "keep_compute": st["keep_compute"], "keep": man.keep, "matrices": len(st["k"]),
                 "k": sum(st["k"].values()), "r_max": sum(st["r_max"].values()), "head_coverage": st["head_coverage"],
                 "heldout_rel_error": tr.get("heldout_rel_error"), "kd_heldout_kl_start": tr.get("kd_heldout_kl_start"),
                 "kd_heldout_kl": tr.get("kd_heldout_kl"), "resumed": resumed,
                 "seconds": round(time.perf_counter() - t0, 2)}
         err = info["heldout_rel_error"] or {}
-        human = (f"PARSE ({base}) {dense} -> {path} in {info['seconds']:.1f} s{' (resumed)' if resumed else ''}: "
+        human = (f"PARSE ({st['base']}) {dense} -> {path} in {info['seconds']:.1f} s{' (resumed)' if resumed else ''}: "
                  f"{info['matrices']} routed matrices, "
                  f"K {info['k']} of r_max {info['r_max']} components; keep {info['keep_compute']:.4f} of the compute "
                  f"(K), {man.keep:.4f} of the memory (r_max)")

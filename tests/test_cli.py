@@ -208,6 +208,27 @@ def test_train_parse_bad_inputs(tmp_path):
                        "arguments; pass --no-resume to discard it, or --work-dir to start elsewhere")
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == [".o.parse-work", "empty.txt"]
     assert_clean_error(rankserve("train-parse", BUNDLED, tmp_path, *PARSE_ARGS), "already exists")
+    both = "give --calib-text (a pool built from DENSE by --base) or --pool CHECKPOINT (its own components), not both"
+    assert_clean_error(rankserve("train-parse", BUNDLED, out, *PARSE_ARGS, "--pool", BUNDLED), both)
+    assert_clean_error(rankserve("train-parse", BUNDLED, out, "--train-text", CALIB), both)
+    assert_clean_error(rankserve("train-parse", BUNDLED, out, "--train-text", CALIB, "--pool", BUNDLED),
+                       "no factorized projection")
+    assert_clean_error(rankserve("train-parse", BUNDLED, out, "--train-text", CALIB, "--pool", tmp_path / "nope"),
+                       "is not a directory")
+    assert not out.exists()
+
+
+def test_train_parse_from_a_low_rank_checkpoint(tmp_path):
+    """--pool: the experts are a compressed checkpoint's own components (no calibration of its own)."""
+    pool = tmp_path / "pool"
+    assert rankserve("compress", "--method", "svd-llm", "--keep", "0.8", "--calib", CALIB, "--calib-tokens", "2048",
+                     BUNDLED, pool).returncode == 0
+    out = tmp_path / "p"
+    args = [a for a in PARSE_ARGS[4:] if a not in ("--calib-seq-len", "128")]  # no --calib-text, --calib-seq-len
+    p = rankserve("train-parse", BUNDLED, out, "--keep", "0.6", "--pool", pool, *args, "--json")
+    assert p.returncode == 0, p.stderr
+    info = json.loads(p.stdout)
+    assert info["base"] == "svd-llm" and info["pool"] == str(pool) and info["k"] < info["r_max"]
 
 
 @pytest.mark.serve

@@ -182,6 +182,53 @@ def test_static_subset_is_the_static_checkpoint(parse_dir, tmp_path):
     clear(model)
 
 
+@pytest.mark.parametrize("method", ["svd-llm", "basis-sharing"])
+def test_a_low_rank_checkpoint_is_a_pool_of_its_own_components(method, tmp_path):
+    """train-parse --pool: a checkpoint compressed at keep 0.8 is the pool of a keep-0.6 PARSE model, r_max = its
+    ranks; its first K components per matrix (static_subset) give the logits of the same method at keep 0.6 with
+    the same calibration (one whitened SVD, truncated further); the routers pick K of them per prompt."""
+    from rankserve.compress.factorize import compress_model
+    kw = dict(calib_text=CALIB, calib_tokens=2048, calib_seq_len=128, progress=False)
+    pool_dir = compress_model(STORIES, tmp_path / "pool", method, 0.8, **kw)
+    static_dir = compress_model(STORIES, tmp_path / "static", method, 0.6, **kw)
+    out = build_parse_checkpoint(STORIES, tmp_path / "parse", keep=0.6, train_text=CALIB, steps=2, kd_steps=2,
+                                 train=TRAIN, progress=False, pool_from=pool_dir)
+    model, man, routers = _load64(out)
+    pool, pool_man = load_checkpoint(pool_dir, "cpu", torch.float64)
+    state = man.methods["parse"]
+    assert state["base"] == method and man.family == f"parse-{method}" and state["pool_from"] == str(pool_dir)
+    assert state["pool_factor"] is None and state["calibration"] is None
+    assert routers.r_max == {n: l.rank for n, l in pool.projections().items() if l.factorized}
+    assert all(routers.k[n] < routers.r_max[n] for n in routers.k) and man.groups == pool_man.groups
+    static, _ = load_checkpoint(static_dir, "cpu", torch.float64)
+    x = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        apply(model, [routers.static_subset()] * 2)
+        torch.testing.assert_close(model(x), static(x), rtol=1e-5, atol=1e-5)
+        clear(model)
+        torch.testing.assert_close(model(x), pool(x), rtol=1e-5, atol=1e-5)  # every component: the pool itself
+    tok = Tokenizer.load(STORIES)
+    sub = select(model, routers, tok.encode("Once upon a time"))
+    assert validate(sub, routers) and all(len(v) == routers.k[n] for n, v in sub["k"].items())
+
+
+def test_a_pool_without_room_or_of_another_model_is_refused(tmp_path):
+    from rankserve.compress.factorize import compress_model
+    small = compress_model(STORIES, tmp_path / "small", "svd-llm", 0.5, calib_text=CALIB, calib_tokens=2048,
+                           calib_seq_len=128, progress=False)
+    build = lambda pool, out: build_parse_checkpoint(STORIES, tmp_path / out, keep=0.6, train_text=CALIB,  # noqa
+                                                     steps=1, kd_steps=0, train=TRAIN, progress=False, pool_from=pool)
+    with pytest.raises(ValueError, match="a pool needs more components than K"):
+        build(small, "a")
+    with pytest.raises(ValueError, match="no factorized projection"):
+        build(STORIES, "b")
+    with pytest.raises(ValueError, match="is not a version of"):
+        build(ROOT / "models" / "reference", "c")
+    with pytest.raises(ValueError, match="needs calib_text"):
+        build_parse_checkpoint(STORIES, tmp_path / "d", keep=0.6, train_text=CALIB, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["small"]
+
+
 def test_parse_bases_listed_alike():
     from rankserve import cli
     from rankserve.compress.parse import BASES
