@@ -199,16 +199,14 @@ def test_ports_named_for_the_serve_service():
     assert ports["serve-grpc"] == cfg["grpc_options"]["port"]
 
 
-LOCAL_ONLY = {"parse-svd-llm"}  # PARSE of the bundled model; the GPU config has no PARSE checkpoint yet
-
-
 def test_local_and_gpu_configs_have_the_same_shape():
+    """The same families (PARSE included) and services, on the CPU locally and on GPUs in the cluster."""
     gpu, local = serve_config(SERVE_YAML), serve_config(LOCAL_YAML)
     ga, la = gpu["applications"][0], local["applications"][0]
-    assert set(ga["args"]["families"]) == set(la["args"]["families"]) - LOCAL_ONLY
+    assert set(ga["args"]["families"]) == set(la["args"]["families"])
     assert set(ga["args"]) == set(la["args"])
     for f, fam in la["args"]["families"].items():
-        assert fam["device"] == "cpu" and (f in LOCAL_ONLY or ga["args"]["families"][f]["device"] == "cuda")
+        assert fam["device"] == "cpu" and ga["args"]["families"][f]["device"] == "cuda"
 
 
 def test_no_legacy_serve_names():
