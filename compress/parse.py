@@ -453,8 +453,10 @@ def train_routers(data: RouterData, k: dict[str, int], steps: int, cfg: TrainCon
                         lambda R, b: heldout(n, R, b))
         zero = torch.zeros(r, d, device=dev)
         static_loss[n], warm_loss[n] = heldout(n, zero, ramp), heldout(n, R0, b0)
-        best[n] = (R0, b0, warm_loss[n], "warm") if warm_loss[n] < static_loss[n] else (zero, ramp, static_loss[n],
-                                                                                          "static")
+        if warm_loss[n] < static_loss[n]:
+            best[n] = (R0, b0, warm_loss[n], "warm")
+        else:
+            best[n] = (zero, ramp, static_loss[n], "static")
         params[_key(n) + "_R"] = torch.nn.Parameter(R0.clone())
         params[_key(n) + "_b"] = torch.nn.Parameter(b0.clone())
     decay = [p for name, p in params.items() if name.endswith("_R")]
@@ -713,17 +715,19 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
         if not Path(p).is_file():
             raise ValueError(f"{label} text {p} does not exist or is not a file")
     _check_knobs(pool_factor, group_size)
-    if pool_from is not None:  # before the work dir: a pool that cannot serve leaves nothing behind
-        _check_same_model(dense_dir, Path(pool_from))
+    if pool_from is not None:  # checked before the work dir: a pool that cannot serve leaves nothing behind
         pool_cfg, pool_man = read_config(pool_from)
-        native_experts(pool_cfg, pool_man.ranks, pool_man.groups, keep)
+        _check_same_model(dense_dir, Path(pool_from), pool_cfg)
+        k, r_max = native_experts(pool_cfg, pool_man.ranks, pool_man.groups, keep)
     work = Path(work_dir) if work_dir is not None else out_dir.parent / f".{out_dir.name}.parse-work"
-    settings = dict(dense_dir=str(dense_dir), keep=keep, pool_factor=pool_factor, calib_text=str(calib_text),
-                    train_text=train_files, base=base, calib_tokens=calib_tokens, calib_seq_len=calib_seq_len,
-                    group_size=group_size, train={k: v for k, v in asdict(train).items() if k != "save_every"})
-    if pool_from is not None:  # (kept out otherwise: work dirs of earlier runs stay valid)
+    knobs = {key: v for key, v in asdict(train).items() if key != "save_every"}
+    if pool_from is None:
+        settings = dict(dense_dir=str(dense_dir), keep=keep, pool_factor=pool_factor, calib_text=str(calib_text),
+                        train_text=train_files, base=base, calib_tokens=calib_tokens, calib_seq_len=calib_seq_len,
+                        group_size=group_size, train=knobs)
+    else:  # what a pool of its own would use is not a setting
         settings = dict(dense_dir=str(dense_dir), keep=keep, pool_from=str(pool_from), train_text=train_files,
-                        train=settings["train"])
+                        train=knobs)
     settings = json.loads(json.dumps(settings))  # tuples as lists, as read back
     check_work_dir(work)
     work.mkdir(parents=True, exist_ok=True)
@@ -737,9 +741,8 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
     tok = Tokenizer.load(dense_dir)
     if pool_from is not None:  # the experts as stored, in the stored dtype: what will be served
         store_dtype = _stored_dtype(Path(pool_from))
-        model, pm = load_checkpoint(pool_from, device, torch.float32)
-        k, r_max = native_experts(model.cfg, pm.ranks, pm.groups, keep)
-        base = pm.family
+        model, _ = load_checkpoint(pool_from, device, torch.float32)
+        base = pool_man.family
     else:
         store_dtype = _stored_dtype(dense_dir)
         pool_dir = work / "pool"
@@ -809,9 +812,9 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
 
 
 # --- helpers -------------------------------------------------------------------------------------
-def _check_same_model(dense_dir: Path, pool_dir: Path) -> None:
-    """The pool checkpoint must be a low-rank version of the dense model: same shapes and vocabulary."""
-    (a, _), (b, _) = read_config(dense_dir), read_config(pool_dir)
+def _check_same_model(dense_dir: Path, pool_dir: Path, b) -> None:
+    """The pool checkpoint (config `b`) must be a low-rank version of the dense model: same shapes and vocabulary."""
+    a, _ = read_config(dense_dir)
     fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads")
     diff = [f"{f} {getattr(a, f)} vs {getattr(b, f)}" for f in fields if getattr(a, f) != getattr(b, f)]
