@@ -18,14 +18,16 @@ CFG = ModelConfig(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidde
 R_MAX = {"q": 20, "k": 12, "v": 14, "o": 22, "gate": 26, "up": 18, "down": 24}  # uneven, Dobi-like
 
 
-def _pool() -> tuple[Transformer, Routers]:
+def _pool(dense: tuple[str, ...] = ()) -> tuple[Transformer, Routers]:
+    """The random pool; `dense`: projections (by name) stored dense, so not routed."""
     torch.manual_seed(0)
-    ranks = {proj_name(i, p): R_MAX[p] for i in range(CFG.num_hidden_layers) for p in PROJS}
+    ranks = {proj_name(i, p): None if proj_name(i, p) in dense else R_MAX[p]
+             for i in range(CFG.num_hidden_layers) for p in PROJS}
     m = Transformer(CFG, ranks)
     with torch.no_grad():
         for p in m.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
-    r_max = dict(ranks)
+    r_max = {n: r for n, r in ranks.items() if r is not None}
     k = {n: r // 2 for n, r in r_max.items()}
     return m.eval(), Routers(R={}, b={}, k=k, r_max=r_max, head={}, perm={})
 
@@ -75,6 +77,62 @@ def test_slots_match_masked_eager_pool(B, backend):
     if one and B > 1:
         assert slots.decoder.step_kernel.masked and slots.decoder.dcfg.fused()
     _assert_steps_close(got, ref)
+
+
+# mixed packing groups: v dense beside routed q/k, up dense beside a routed gate; layer 1: o dense
+MIXED = ("layers.0.attn.v", "layers.0.mlp.up", "layers.1.attn.o")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("B", [1, 3])
+def test_slots_with_dense_members_match_masked_eager_pool(B, backend):
+    """A PARSE model may keep some projections dense (unrouted); a routed matrix packed with a dense one (q with a
+    dense v, gate with a dense up) is masked by itself, and a second load's subsets are read, not the first's."""
+    pool, routers = _pool(dense=MIXED)
+    assert not any(n in routers.k for n in MIXED)
+    prompt = torch.randint(0, CFG.vocab_size, (B, 5))
+    steps = [torch.randint(0, CFG.vocab_size, (B,)) for _ in range(3)]
+    slots = ParseSlots(pool, routers, DecodeConfig(batch_size=B, max_seq_len=32, backend=backend, graph="none"))
+    for seed in (0, 10):
+        subsets = [_subset(routers, seed + s) for s in range(B)]
+        with torch.no_grad():
+            apply(pool, subsets)
+            cache = KVCache(CFG.num_hidden_layers, B, 32, CFG.num_key_value_heads, CFG.head_dim)
+            ref = [pool(prompt, cache, last_only=True)] + [pool(t[:, None], cache, last_only=True) for t in steps]
+            clear(pool)
+            slots.load(subsets)
+            got = [slots.decoder.prefill(prompt)] + [slots.decoder.step(t).clone() for t in steps]
+        _assert_steps_close(got, ref)
+    L = slots.layers[0]
+    assert not hasattr(L, "Vqkv") and not hasattr(L, "Wqkv") and not hasattr(L, "Vgu")
+    assert sorted(L.keep_proj) == (["gate", "k", "q"] if B > 1 else [])
+
+
+def test_engine_serves_a_parse_model_with_dense_members():
+    """Eager (the CPU default) and fast-path engines both run a PARSE model that keeps some projections dense, for
+    one row and for a batch of rows with different subsets, and give the same greedy tokens."""
+    from pathlib import Path
+
+    from rankserve.workers.engine import Engine
+    from rankserve.workers.sampler import SamplingParams
+    from rankserve.workers.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(Path(__file__).resolve().parents[1] / "models" / "stories260K")
+    pool, routers = _pool(dense=MIXED)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 5, 9, 13], [1, 40, 22]]
+    subsets = [_subset(routers, 3), _subset(routers, 4)]
+    out = {}
+    for mode in ("off", "torch"):
+        e = Engine(pool, tok, None, routers=routers, fast_path=mode)
+        alone = [e.generate(p, params, subset=s).token_ids for p, s in zip(prompts, subsets)]
+        batched: list[list[int]] = [[], []]
+        for step in e.stream_batch(prompts, [params] * 2, subsets):
+            for j, ev in step.items():
+                batched[j].append(ev.token_id)
+        out[mode] = alone, batched
+    assert out["off"] == out["torch"]
+    assert out["off"][0] == out["off"][1]  # batched as alone
 
 
 def test_rows_step_reads_only_the_union():

@@ -725,7 +725,7 @@ class _Batch:
         """Eager PARSE: each slot's row's subset as its mask row (a free slot takes another row's: unread)."""
         first = next(r for r in self.slots if r is not None)
         apply(self.e.model, [(r or first).subset for r in self.slots])
-        self.masks = [(lin, lin.mask) for lin in self.e.model.projections().values()]
+        self.masks = [(lin, lin.mask) for lin in self.e.model.projections().values() if lin.factorized]
 
     def _reset(self, slots: list[int]) -> None:
         """Positions of slots with no row back to 0: a fast step advances them too."""

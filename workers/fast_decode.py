@@ -133,6 +133,14 @@ def _masked(t: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     return t if keep is None else t * keep
 
 
+def _proj_torch(L: "_Layer", p: str, x: torch.Tensor) -> torch.Tensor:
+    """Projection p of a mixed group (packed with a dense member, so not packed): x (B, in) -> (B, out)."""
+    lin = L.proj[p]
+    if not lin.factorized:
+        return x @ lin.weight.t()
+    return _masked(x @ lin.V.t(), L.keep_proj.get(p)) @ lin.U.t()
+
+
 class _Layer:
     """One decoder layer's weights in decode layout.
 
@@ -154,8 +162,9 @@ class _Layer:
                 self.Vqkv = (self.Vqkv.float() * self.attn_norm.float()).to(self.Vqkv.dtype)
             self.qkv_split = [l.rank for l in qkv]
             self.Uq, self.Uk, self.Uv = (l.U.contiguous() for l in qkv)
-        else:
-            self.Wqkv = torch.cat([l.dense_weight() for l in qkv]).contiguous()  # (q + 2 kv, hidden)
+        elif not any(l.factorized for l in qkv):
+            self.Wqkv = torch.cat([l.weight for l in qkv]).contiguous()  # (q + 2 kv, hidden)
+        # a mixed group (some members dense) is not packed: each member by itself (`_proj_torch`), its own factors
         gu = [projs["gate"], projs["up"]]
         if all(l.factorized for l in gu):
             self.Vgu = torch.cat([l.V for l in gu]).contiguous()  # (rg + ru, hidden)
@@ -163,14 +172,15 @@ class _Layer:
                 self.Vgu = (self.Vgu.float() * self.mlp_norm.float()).to(self.Vgu.dtype)
             self.gu_split = [l.rank for l in gu]
             self.Ug, self.Uu = gu[0].U.contiguous(), gu[1].U.contiguous()
-        else:
-            self.Wgu = torch.cat([l.dense_weight() for l in gu]).contiguous()  # (2 inter, hidden)
+        elif not any(l.factorized for l in gu):
+            self.Wgu = torch.cat([l.weight for l in gu]).contiguous()  # (2 inter, hidden)
         # PARSE (workers/parse_decode.py): optional (B, r) 0/1 masks of each row's rank components, applied to
         # the V-stage outputs; None = every component
         self.keep_qkv: torch.Tensor | None = None
         self.keep_gu: torch.Tensor | None = None
         self.keep_o: torch.Tensor | None = None
         self.keep_down: torch.Tensor | None = None
+        self.keep_proj: dict[str, torch.Tensor] = {}  # a routed member of a mixed (unpacked) group: its own mask
         # PARSE slots at B > 1: int32 (7,) on the device, the components in use of q, k, v, o, gate, up, down (the
         # batch's union, stored first); the Triton kernels read only those. None = every component
         self.live: torch.Tensor | None = None
@@ -534,8 +544,10 @@ class FastDecoder:
             if hasattr(L, "Vgu"):
                 tg, tu = _masked(self.h @ L.Vgu.t(), L.keep_gu).split(L.gu_split, dim=-1)
                 g, u = tg @ L.Ug.t(), tu @ L.Uu.t()
-            else:
+            elif hasattr(L, "Wgu"):
                 g, u = (self.h @ L.Wgu.t()).chunk(2, dim=-1)
+            else:
+                g, u = _proj_torch(L, "gate", self.h), _proj_torch(L, "up", self.h)
             torch.mul(F.silu(g), u, out=self.m)
         self._linear(i, "down", self.m, self.y, fused, L.keep_down, L.klive(6, 7))
 
@@ -559,8 +571,10 @@ class FastDecoder:
         if hasattr(L, "Vqkv"):
             tq, tk, tv = _masked(self.h @ L.Vqkv.t(), L.keep_qkv).split(L.qkv_split, dim=-1)
             q, k, v = tq @ L.Uq.t(), tk @ L.Uk.t(), tv @ L.Uv.t()
-        else:
+        elif hasattr(L, "Wqkv"):
             q, k, v = (self.h @ L.Wqkv.t()).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        else:
+            q, k, v = (_proj_torch(L, p, self.h) for p in ("q", "k", "v"))
         pos = seqlens.long()
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (B, 1, D/2) for this token's position
 

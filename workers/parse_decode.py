@@ -126,6 +126,11 @@ class ParseSlots:
                     if all(l.factorized for l in lins):
                         spans.append((i, attr, names, col))
                         col += sum(l.rank for l in lins)
+                    else:  # a mixed group is not packed (fast_decode._proj_torch): a routed member masks alone
+                        for p in names:
+                            if proj_name(i, p) in self.widths:
+                                spans.append((i, None, (p,), col))
+                                col += L.proj[p].rank
             self.keep_all = torch.ones(B, col, device=dev, dtype=dt)  # (B, cols)
             # one row's keep bits, what the one-row prefill graphs read (prefill); per projection, views like keep's
             self.row_keep = torch.ones(1, col, device=dev, dtype=dt)
@@ -134,9 +139,13 @@ class ParseSlots:
             for i, attr, names, c0 in spans:
                 L = self.layers[i]
                 width = sum(L.proj[p].rank for p in names)
-                setattr(L, attr, self.keep_all[:, c0:c0 + width])
-                # the split-K plan sizes the V stages by the union's expected size (~K), not the slot width
-                L.rows_in_use[attr[len("keep_"):]] = sum(routers.k.get(proj_name(i, p), L.proj[p].rank) for p in names)
+                if attr is None:
+                    L.keep_proj[names[0]] = self.keep_all[:, c0:c0 + width]
+                else:
+                    setattr(L, attr, self.keep_all[:, c0:c0 + width])
+                    # the split-K plan sizes the V stages by the union's expected size (~K), not the slot width
+                    L.rows_in_use[attr[len("keep_"):]] = sum(routers.k.get(proj_name(i, p), L.proj[p].rank)
+                                                             for p in names)
                 for p in names:
                     n, r = proj_name(i, p), L.proj[p].rank
                     if n in self.widths:
