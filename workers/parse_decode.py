@@ -215,7 +215,7 @@ class ParseSlots:
         idx[pos] = local
         changed = (np.ones(len(self.names), dtype=bool) if self._idx is None
                    else np.logical_or.reduceat(idx != self._idx, self._sbase))
-        self._idx = idx
+        self._idx = None  # set again once the gathers are done: a load that fails midway gathers everything next
         sizes = {n: int(c) for n, c in zip(self.names, size)}
         if self.masked:  # queued before the gathers: an upload waits for nothing queued ahead of it
             cols = upload(torch.from_numpy(self._slot_col[pos]), dev)  # (|U|,)
@@ -239,6 +239,7 @@ class ParseSlots:
                     dst.U.data[:, sizes[n]:] = 0
             for i in sorted({self._where[self.names[m]][0] for m in np.flatnonzero(changed)}):
                 self.layers[i].refresh()  # re-pack only the layers whose factors changed
+        self._idx = idx
         if self.masked:  # the eager prefill masks through FactorizedLinear.mask and reads its live prefix
             for m, n in enumerate(self.names):  # (module attribute writes are slow: only what changed)
                 lin = self._slins[n]
