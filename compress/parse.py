@@ -48,6 +48,7 @@ see CHOICES below.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -62,7 +63,7 @@ from tqdm import tqdm
 
 from rankserve.compress.calibrate import calibrate
 from rankserve.compress.factorize import factorized, plan_factors
-from rankserve.workers.checkpoint import (CheckpointError, Manifest, count_params, load_checkpoint, read_config,
+from rankserve.workers.checkpoint import (CheckpointError, Manifest, count_params, check_checkpoint, load_checkpoint,
                                           save_checkpoint)
 from rankserve.workers.model import Transformer
 from rankserve.workers.parse import router_input
@@ -142,10 +143,8 @@ def native_experts(cfg, ranks: dict[str, int | None], groups: dict[str, list[str
     if not routed:
         raise ValueError("the pool checkpoint has no factorized projection: its components cannot be experts "
                          "(pass a compressed or imported low-rank checkpoint, or build a pool with --base)")
-    size = {len(ms) for ms in groups.values()}
-    if len(size) > 1:
-        raise ValueError(f"the pool checkpoint's shared bases group {sorted(size)} layers: one group size is needed")
-    plan, planned = plan_factors(cfg, "basis-sharing" if groups else "svd-llm", keep, size.pop() if size else 2)
+    size = {len(ms) for ms in groups.values()}  # the last group may be smaller: the comparison below decides
+    plan, planned = plan_factors(cfg, "basis-sharing" if groups else "svd-llm", keep, max(size) if size else 2)
     if groups and sorted(map(sorted, planned.values())) != sorted(map(sorted, groups.values())):
         raise ValueError("the pool checkpoint's shared-basis groups are not the ones basis-sharing plans for its "
                          "shape: K per group cannot be matched to a static baseline")
@@ -695,6 +694,7 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
                            pool_from: str | Path | None = None,  # a native low-rank checkpoint of the same model
                            # whose own components are the experts (native_experts); then no pool is built, and
                            # base, pool_factor, group_size and the calibration are not used
+                           resume: bool = True,  # False: a work dir of ours is discarded (after the input checks)
                            ) -> Path:
     """Build a PARSE checkpoint from the dense native checkpoint `dense_dir`; returns `out_dir`. The routers are
     trained against the dense model; the experts are a pool built from it (`base`) or `pool_from`'s factors.
@@ -715,21 +715,33 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
         if not Path(p).is_file():
             raise ValueError(f"{label} text {p} does not exist or is not a file")
     _check_knobs(pool_factor, group_size)
-    if pool_from is not None:  # checked before the work dir: a pool that cannot serve leaves nothing behind
-        pool_cfg, pool_man = read_config(pool_from)
-        _check_same_model(dense_dir, Path(pool_from), pool_cfg)
+    # every input is checked before the work dir: a run that cannot succeed writes and deletes nothing
+    dense_cfg, dense_man = check_checkpoint(dense_dir)
+    _check_dense(dense_dir, dense_man)
+    if pool_from is not None:
+        pool_cfg, pool_man = check_checkpoint(pool_from)
+        _check_pool(dense_dir, Path(pool_from), dense_cfg, pool_cfg, pool_man)
         k, r_max = native_experts(pool_cfg, pool_man.ranks, pool_man.groups, keep)
+    else:
+        plan_experts(dense_cfg, base, keep, pool_factor, group_size)  # e.g. a keep that leaves nothing to route
     work = Path(work_dir) if work_dir is not None else out_dir.parent / f".{out_dir.name}.parse-work"
-    knobs = {key: v for key, v in asdict(train).items() if key != "save_every"}
-    if pool_from is None:
-        settings = dict(dense_dir=str(dense_dir), keep=keep, pool_factor=pool_factor, calib_text=str(calib_text),
-                        train_text=train_files, base=base, calib_tokens=calib_tokens, calib_seq_len=calib_seq_len,
-                        group_size=group_size, train=knobs)
-    else:  # what a pool of its own would use is not a setting
-        settings = dict(dense_dir=str(dense_dir), keep=keep, pool_from=str(pool_from), train_text=train_files,
-                        train=knobs)
-    settings = json.loads(json.dumps(settings))  # tuples as lists, as read back
     check_work_dir(work)
+    tok = Tokenizer.load(dense_dir)
+    data_path = work / "data.safetensors"
+    windows = None if data_path.is_file() and resume else sample_windows(train_files, tok, train.windows,
+                                                                         train.window, train.seed)
+    knobs = {key: v for key, v in asdict(train).items() if key != "save_every"}
+    # the inputs' identities, not just their paths: a checkpoint rebuilt at the same path is another run
+    settings = dict(dense_dir=str(dense_dir), dense=_fingerprint(dense_dir), keep=keep, train_text=train_files,
+                    steps=steps, kd_steps=kd_steps, train=knobs)
+    if pool_from is None:
+        settings |= dict(pool_factor=pool_factor, calib_text=str(calib_text), base=base, calib_tokens=calib_tokens,
+                         calib_seq_len=calib_seq_len, group_size=group_size)
+    else:  # what a pool of its own would use is not a setting
+        settings |= dict(pool_from=str(pool_from), pool=_fingerprint(Path(pool_from)))
+    settings = json.loads(json.dumps(settings))  # tuples as lists, as read back
+    if not resume and is_work_dir(work):  # ours, and every input is checked: start over
+        shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
     (work / WORK_MARKER).touch()
     if (work / "settings.json").is_file():
@@ -738,7 +750,6 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
             raise WorkDirMismatch(f"{work} holds a run with other settings; remove it or pass another work_dir")
     (work / "settings.json").write_text(json.dumps(settings, indent=1))
 
-    tok = Tokenizer.load(dense_dir)
     if pool_from is not None:  # the experts as stored, in the stored dtype: what will be served
         store_dtype = _stored_dtype(Path(pool_from))
         model, _ = load_checkpoint(pool_from, device, torch.float32)
@@ -755,14 +766,17 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
         k = pm.provenance["k"]
         r_max = {n: r for n, r in pm.ranks.items() if r is not None}
 
-    data_path = work / "data.safetensors"
     if data_path.is_file():
         data = RouterData.load(data_path)
+        bad = [n for n in k if data.a[n].shape[1] != r_max[n]]
+        if bad:  # cannot happen with the settings matched; a hand-edited work dir is refused, not mixed in
+            raise WorkDirMismatch(f"{work}: the collected router data of {bad[0]} does not fit the pool")
     else:
         dense_model, _ = load_checkpoint(dense_dir, device, torch.float32)
         dense = {n: l.dense_weight().detach() for n, l in dense_model.projections().items()}
         del dense_model
-        windows = sample_windows(train_files, tok, train.windows, train.window, train.seed)
+        if windows is None:
+            windows = sample_windows(train_files, tok, train.windows, train.window, train.seed)
         data = collect(model, dense, windows, train.prompt_len, train.sample_tokens, train.collect_batch,
                        train.seed, progress)
         del dense
@@ -812,14 +826,43 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
 
 
 # --- helpers -------------------------------------------------------------------------------------
-def _check_same_model(dense_dir: Path, pool_dir: Path, b) -> None:
-    """The pool checkpoint (config `b`) must be a low-rank version of the dense model: same shapes and vocabulary."""
-    a, _ = read_config(dense_dir)
+def _check_dense(dense_dir: Path, man) -> None:
+    """The routers are trained against DENSE's outputs: it must be the dense model itself."""
+    factorized = [n for n, r in man.ranks.items() if r is not None]
+    if factorized or man.groups or man.methods:
+        what = "a PARSE checkpoint" if "parse" in man.methods else f"a low-rank ({man.family}) checkpoint"
+        raise ValueError(f"{dense_dir} is {what}, not a dense one: the routers are trained against the dense "
+                         "model's outputs (pass the dense checkpoint as DENSE; a low-rank one goes to --pool)")
+
+
+def _check_pool(dense_dir: Path, pool_dir: Path, a, b, man) -> None:
+    """The pool checkpoint (config `b`, manifest `man`) must be a plain low-rank version of the dense model (config
+    `a`): same shapes, vocabulary and non-linear weights (the embeddings, norms and head served are the pool's)."""
+    if man.methods:  # a PARSE checkpoint's components are re-ordered by selection: its first K are not static
+        raise ValueError(f"the pool checkpoint {pool_dir} carries {', '.join(sorted(man.methods))} state; pass the "
+                         "low-rank checkpoint it was built from (its components in their stored order)")
     fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads")
+              "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "tie_word_embeddings")
     diff = [f"{f} {getattr(a, f)} vs {getattr(b, f)}" for f in fields if getattr(a, f) != getattr(b, f)]
     if diff:
         raise ValueError(f"the pool checkpoint {pool_dir} is not a version of {dense_dir}: {', '.join(diff)}")
+    names = ["embed.weight", "norm.weight"] + [f"layers.{i}.{n}.weight" for i in range(a.num_hidden_layers)
+                                               for n in ("attn_norm", "mlp_norm")]
+    names += [] if a.tie_word_embeddings else ["lm_head.weight"]
+    with safe_open(dense_dir / "model.safetensors", "pt") as fa, safe_open(pool_dir / "model.safetensors", "pt") as fb:
+        for name in names:
+            x, y = fa.get_tensor(name).float(), fb.get_tensor(name).float()
+            # stored dtypes may differ (bf16 vs fp32): a bf16 rounding is ~0.4 % of an entry
+            if x.shape != y.shape or not torch.allclose(x, y, rtol=1e-2, atol=1e-2 * float(x.abs().max())):
+                raise ValueError(f"the pool checkpoint {pool_dir} is not a version of {dense_dir}: its {name} "
+                                 "differs (another model of the same shape?)")
+
+
+def _fingerprint(ckpt: Path) -> dict:
+    """What identifies a checkpoint's contents cheaply: its weights file's size and mtime, its manifest's hash."""
+    st = (ckpt / "model.safetensors").stat()
+    return dict(bytes=st.st_size, mtime_ns=st.st_mtime_ns,
+                manifest=hashlib.sha256((ckpt / "rankserve.json").read_bytes()).hexdigest()[:16])
 
 
 def _stored_dtype(ckpt: Path) -> torch.dtype:

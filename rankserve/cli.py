@@ -77,6 +77,8 @@ def _device(name: str) -> str:
     import torch
 
     try:
+        if torch.device(name).type not in ("cpu", "cuda"):  # e.g. meta: places tensors, computes nothing
+            raise ValueError(f"device type {torch.device(name).type!r} is not supported")
         torch.empty(0, device=torch.device(name))
     except (RuntimeError, AssertionError, ValueError) as e:  # AssertionError: "Torch not compiled with CUDA enabled"
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -429,26 +431,32 @@ def train_parse_cmd(
         knobs = dict(windows=windows, window=window, prompt_len=prompt_len, batch_size=batch_size, kd_batch=kd_batch,
                      seed=seed)
         train = TrainConfig(**{k: v for k, v in knobs.items() if v is not None})
-        check_work_dir(work)  # before --no-resume deletes anything: never delete or mix into a foreign dir
-        if is_work_dir(work) and not resume:  # ours, and every input is checked: start over
-            shutil.rmtree(work)
-        resumed = (work / "settings.json").is_file()
-        existed = work.exists()
-        fresh = not existed or not any(work.iterdir())
+        check_work_dir(work)  # never delete or mix into a foreign dir
+        discard = is_work_dir(work) and not resume  # build_parse_checkpoint deletes it once every input is checked
+        resumed = not discard and (work / "settings.json").is_file()
+        existed = work.exists() and not discard
+        fresh = discard or not existed or not any(work.iterdir())
+
+        def stamp():  # which settings.json the work dir holds: a new one means the run got past its input checks
+            f = work / "settings.json"
+            return (f.stat().st_ino, f.stat().st_mtime_ns) if f.is_file() else None
+
+        before = stamp()
         t0 = time.perf_counter()
         try:
             path = build_parse_checkpoint(dense, out, keep=keep, pool_factor=pool_factor, calib_text=calib_text,
                                           train_text=list(train_text), steps=steps, kd_steps=kd_steps, base=base,
                                           train=train, calib_tokens=calib_tokens, calib_seq_len=calib_seq_len,
                                           group_size=group_size, work_dir=work, progress=not as_json, device=dev,
-                                          pool_from=pool)
+                                          pool_from=pool, resume=resume)
         except WorkDirMismatch:
             raise ValueError(f"work dir {work} holds an unfinished run with other arguments; pass --no-resume to "
                              f"discard it, or --work-dir to start elsewhere") from None
         except KeyboardInterrupt:
             _fail(f"interrupted; run the same command again to resume from {work}")
         except Exception:
-            if fresh and is_work_dir(work):  # this run's own: nothing to resume, and it would refuse the fixed command
+            if fresh and stamp() not in (None, before) and is_work_dir(work):  # this run's own: nothing to resume,
+                # and it would refuse the fixed command
                 shutil.rmtree(work, ignore_errors=True)
                 if existed:
                     work.mkdir(exist_ok=True)

@@ -298,6 +298,9 @@ def test_train_parse_never_deletes_a_dir_it_did_not_create(tmp_path):
     assert_clean_error(rankserve("train-parse", tmp_path / "nope", tmp_path / "o", *PARSE_ARGS, "--no-resume"),
                        "is not a directory")
     assert (marked / "settings.json").is_file()  # bad input: nothing deleted
+    p = rankserve("train-parse", BUNDLED, tmp_path / "o", "--train-text", CALIB, "--pool", BUNDLED, "--no-resume")
+    assert_clean_error(p, "no factorized projection")  # a pool refused once the inputs are read: nothing deleted
+    assert (marked / "settings.json").is_file()
     p = rankserve("train-parse", BUNDLED, tmp_path / "o", *PARSE_ARGS, "--no-resume", "--json")
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["resumed"] is False and not marked.exists()
@@ -393,6 +396,8 @@ def test_unusable_device_is_a_one_line_error(tmp_path):
                        "--device 'cuda:99' is not usable here")
     assert_clean_error(rankserve("train-parse", BUNDLED, out, *PARSE_ARGS, "--device", "bogus"),
                        "--device 'bogus' is not usable here")
+    assert_clean_error(rankserve("compress", "--method", "svd", "--keep", "0.5", "--device", "meta", BUNDLED, out),
+                       "device type 'meta' is not supported")  # torch places tensors there, but computes nothing
     assert sorted(tmp_path.iterdir()) == []
     if not torch.cuda.is_available():
         assert_clean_error(rankserve("generate", BUNDLED, "--device", "cuda", "--max-new-tokens", "2"),

@@ -6,14 +6,15 @@ module; 6 s on 2 idle cores (about 35 s while other jobs load them).
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from rankserve.compress.parse import (RouterData, TrainConfig, aggregate_experts, build_parse_checkpoint,
-                                      plan_experts, ste_topk, train_routers)
-from rankserve.workers.checkpoint import load_checkpoint
+                                      native_experts, plan_experts, ste_topk, train_routers)
+from rankserve.workers.checkpoint import load_checkpoint, read_config
 from rankserve.workers.engine import Engine
 from rankserve.workers.model import Transformer
 from rankserve.workers.parse import apply, clear, load_parse, select, select_batch, validate
@@ -227,6 +228,70 @@ def test_a_pool_without_room_or_of_another_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match="needs calib_text"):
         build_parse_checkpoint(STORIES, tmp_path / "d", keep=0.6, train_text=CALIB, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["small"]
+
+
+def test_dense_and_pool_must_be_what_they_claim(svd_llm_dir, tmp_path):
+    """DENSE must be dense (the routers learn its outputs); a pool must be a plain low-rank checkpoint of that very
+    model: not a PARSE one (re-ordered components), not another model of the same shape. Refused before any write."""
+    from safetensors.torch import load_file, save_file
+
+    from rankserve.compress.factorize import compress_model
+    pool = compress_model(STORIES, tmp_path / "pool", "svd-llm", 0.8, calib_text=CALIB, calib_tokens=2048,
+                          calib_seq_len=128, progress=False)
+    other = tmp_path / "other"  # the same checkpoint with another model's embeddings
+    shutil.copytree(pool, other)
+    w = load_file(other / "model.safetensors")
+    w["embed.weight"] = torch.randn_like(w["embed.weight"].float()).to(w["embed.weight"].dtype)
+    save_file(w, other / "model.safetensors")
+    build = lambda dense, out, **kw: build_parse_checkpoint(dense, tmp_path / out, keep=0.6, train_text=CALIB,  # noqa
+                                                            steps=1, kd_steps=0, train=TRAIN, progress=False, **kw)
+    with pytest.raises(ValueError, match=r"is a low-rank \(svd-llm\) checkpoint, not a dense one"):
+        build(pool, "a", calib_text=CALIB)
+    with pytest.raises(ValueError, match="is a PARSE checkpoint, not a dense one"):
+        build(svd_llm_dir, "b", pool_from=pool)
+    with pytest.raises(ValueError, match="carries parse state; pass the low-rank checkpoint it was built from"):
+        build(STORIES, "c", pool_from=svd_llm_dir)
+    with pytest.raises(ValueError, match="its embed.weight differs"):
+        build(STORIES, "d", pool_from=other)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "pool"]
+
+
+def test_a_basis_sharing_pool_with_a_smaller_last_group_is_accepted(tmp_path):
+    """group_size 3 over the bundled model's 5 layers: groups of 3 and 2, as basis-sharing plans them."""
+    from rankserve.compress.factorize import compress_model
+    pool = compress_model(STORIES, tmp_path / "pool", "basis-sharing", 0.8, calib_text=CALIB, calib_tokens=2048,
+                          calib_seq_len=128, group_size=3, progress=False)
+    cfg, man = read_config(pool)
+    assert sorted({len(ms) for ms in man.groups.values()}) == [2, 3]
+    k, r_max = native_experts(cfg, man.ranks, man.groups, 0.6)
+    assert k and all(k[n] < r_max[n] for n in k)
+
+
+def test_a_resumed_run_must_match_its_inputs(tmp_path):
+    """The work dir knows its inputs by content, not path, and every knob that shapes the routers: other --steps,
+    or a pool rebuilt at the same path, is refused (WorkDirMismatch) rather than mixed in. resume=False discards a
+    work dir only once the inputs are checked."""
+    from rankserve.compress.factorize import compress_model
+    from rankserve.compress.parse import WorkDirMismatch
+    kw = dict(calib_text=CALIB, calib_tokens=2048, calib_seq_len=128, progress=False)
+    pool = compress_model(STORIES, tmp_path / "pool", "svd-llm", 0.8, **kw)
+    work = tmp_path / "work"
+    build = lambda out, steps=1, pool_from=pool, **kw: build_parse_checkpoint(  # noqa: E731
+        STORIES, tmp_path / out, keep=0.6, train_text=CALIB, steps=steps, kd_steps=0, train=TRAIN, progress=False,
+        pool_from=pool_from, work_dir=work, keep_work=True, **kw)
+    build("a")
+    with pytest.raises(WorkDirMismatch):
+        build("b", steps=2)
+    shutil.rmtree(pool)
+    compress_model(STORIES, pool, "svd-llm", 0.9, **kw)  # another pool at the same path
+    with pytest.raises(WorkDirMismatch):
+        build("b")
+    with pytest.raises(ValueError, match="is not a directory"):
+        build("b", resume=False, pool_from=tmp_path / "nope")
+    assert (work / "data.safetensors").is_file()  # bad input: the earlier run's work kept
+    build("b", resume=False)
+    r_max = [read_config(tmp_path / d)[1].methods["parse"]["r_max"] for d in "ab"]
+    assert r_max[0] != r_max[1]  # b's experts are the new pool's
 
 
 def test_parse_bases_listed_alike():

@@ -280,16 +280,28 @@ def _validate(cfg: ModelConfig, manifest: Manifest, shapes_on_disk: dict[str, tu
         raise CheckpointError(f"model.safetensors holds unexpected tensors, e.g. {sorted(extra)[:3]}")
 
 
+def _open_weights(path: Path):
+    try:
+        return safe_open(str(path / "model.safetensors"), framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises several types for a corrupt header
+        raise CheckpointError(f"{path / 'model.safetensors'} is not a readable safetensors file: {e}") from None
+
+
+def check_checkpoint(path: str | Path) -> tuple[ModelConfig, Manifest]:
+    """A native checkpoint's config and manifest, validated against its weights' shapes (reads no weights)."""
+    path = Path(path)
+    cfg, manifest = read_config(path)
+    with _open_weights(path) as f:
+        _validate(cfg, manifest, {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()})
+    return cfg, manifest
+
+
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
                     dtype: torch.dtype | None = None) -> tuple[Transformer, Manifest]:
     """Load and validate a native checkpoint into a `Transformer` on `device` (dtype default: as stored)."""
     path = Path(path)
     cfg, manifest = read_config(path)
-    try:
-        f = safe_open(str(path / "model.safetensors"), framework="pt", device="cpu")
-    except Exception as e:  # safetensors raises several types for a corrupt header
-        raise CheckpointError(f"{path / 'model.safetensors'} is not a readable safetensors file: {e}") from None
-    with f:
+    with _open_weights(path) as f:
         names = list(f.keys())
         shapes = {n: tuple(f.get_slice(n).get_shape()) for n in names}
         _validate(cfg, manifest, shapes)
