@@ -14,6 +14,7 @@ Every window has the same length, so windows batch without padding.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,24 +27,32 @@ from rankserve.workers.model import Transformer
 from rankserve.workers.tokenizer import Tokenizer
 
 
+Masks = Callable[[torch.Tensor], None]  # called with a batch of windows (B, S) before the model runs them (PARSE)
+
+
 def perplexity(model: Transformer, tokenizer: Tokenizer, text: str,
                seq_len: int | None = None,  # window length; None = min(2048, the model's context)
                stride: int | None = None,  # new tokens scored per window; None = seq_len (no overlap)
                max_tokens: int | None = None,  # evaluate only the first max_tokens tokens of `text`
-               batch_size: int = 8, progress: bool = False) -> dict[str, float | int]:
+               batch_size: int = 8, progress: bool = False,
+               prompt_len: int = 0,  # a window's first prompt_len tokens are its prompt: their targets not scored
+               masks: Masks | None = None) -> dict[str, float | int]:
     """{"perplexity": exp(nll), "nll": mean negative log-likelihood (nats/token), "tokens": tokens scored}."""
-    return _score([model], tokenizer, text, seq_len, stride, max_tokens, batch_size, progress)
+    return _score([model], tokenizer, text, seq_len, stride, max_tokens, batch_size, progress, prompt_len, masks)
 
 
 def compare(model: Transformer, reference: Transformer, tokenizer: Tokenizer, text: str,
             seq_len: int | None = None, stride: int | None = None, max_tokens: int | None = None,
-            batch_size: int = 8, progress: bool = False) -> dict[str, float | int]:
+            batch_size: int = 8, progress: bool = False, prompt_len: int = 0,
+            masks: Masks | None = None) -> dict[str, float | int]:
     """`perplexity` of both models over the same windows, plus top-1 next-token agreement (the fraction of
     scored positions where both argmaxes match) and the mean KL(reference ‖ model) per position (nats).
+    `masks` sets `model`'s PARSE masks per batch of windows; the reference runs as it is.
 
     Keys: perplexity, nll, tokens, top1_agreement, kl, reference_perplexity, reference_nll.
     """
-    return _score([model, reference], tokenizer, text, seq_len, stride, max_tokens, batch_size, progress)
+    return _score([model, reference], tokenizer, text, seq_len, stride, max_tokens, batch_size, progress,
+                  prompt_len, masks)
 
 
 def evaluate(model_dir: str | Path, data_path: str | Path, reference_dir: str | Path | None = None,
@@ -70,7 +79,10 @@ def evaluate(model_dir: str | Path, data_path: str | Path, reference_dir: str | 
 
 
 def greedy_identity(model: Transformer, reference: Transformer, tokenizer: Tokenizer, prompts: list[str],
-                    n_tokens: int = 32, prefixes: tuple[int, ...] = ()) -> float | dict[int, float]:
+                    n_tokens: int = 32, prefixes: tuple[int, ...] = (),
+                    before: Callable[[list[list[int]]], None] | None = None,  # called with the encoded prompts
+                    # before `model` generates (PARSE: each prompt's masks)
+                    ) -> float | dict[int, float]:
     """Fraction of prompts whose first `n_tokens` greedy tokens from `model` equal the reference's.
 
     Generation does not stop at EOS: exactly `n_tokens` tokens are compared per prompt. With `prefixes`, the
@@ -79,6 +91,8 @@ def greedy_identity(model: Transformer, reference: Transformer, tokenizer: Token
     if not prompts:
         raise ValueError("greedy_identity needs at least one prompt")
     ids = [tokenizer.encode(p, bos=True) for p in prompts]
+    if before is not None:
+        before(ids)
     ours, theirs = _greedy(model, ids, n_tokens), _greedy(reference, ids, n_tokens)
     if prefixes:
         return {n: sum(a[:n] == b[:n] for a, b in zip(ours, theirs)) / len(prompts) for n in prefixes}
@@ -104,12 +118,16 @@ def windows(n: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
 
 
 def _score(models: list[Transformer], tokenizer: Tokenizer, text: str, seq_len: int | None, stride: int | None,
-           max_tokens: int | None, batch_size: int, progress: bool) -> dict[str, float | int]:
+           max_tokens: int | None, batch_size: int, progress: bool, prompt_len: int = 0,
+           masks: Masks | None = None) -> dict[str, float | int]:
     cfg = models[0].cfg
     seq_len = seq_len or min(2048, cfg.max_position_embeddings)
     stride = stride or seq_len
     if not 1 <= seq_len <= min(m.cfg.max_position_embeddings for m in models):
         raise ValueError(f"seq_len must be in [1, {cfg.max_position_embeddings}] (the model's context), got {seq_len}")
+    if not 0 <= prompt_len < seq_len:
+        raise ValueError(f"the prompt length ({prompt_len} tokens) must be >= 0 and shorter than the window "
+                         f"({seq_len} tokens)")
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     ids = tokenizer.encode(text, bos=True)
@@ -125,10 +143,15 @@ def _score(models: list[Transformer], tokenizer: Tokenizer, text: str, seq_len: 
         for b in range(0, len(wins), batch_size):
             batch = wins[b:b + batch_size]
             x = torch.stack([data[s:e] for s, e, _ in batch]).to(dev)  # (B, S), all windows equal length
+            if masks is not None:
+                masks(x)
             logits = [m(x.to(m.embed.weight.device)).to(dev) for m in models]  # (B, S, V) fp32 each
             for i, (s, e, f) in enumerate(batch):  # one window at a time bounds the (T, V) temporaries
-                y = data[f + 1:e + 1].to(dev)  # (T,) targets
-                lps = [F.log_softmax(l[i, f - s:e - s], dim=-1) for l in logits]  # (T, V) fp32
+                lo = max(f - s, prompt_len - 1)  # first prediction scored: past what earlier windows scored and
+                if lo >= e - s:  # past the prompt (position prompt_len - 1 predicts its first new token)
+                    continue
+                y = data[s + lo + 1:e + 1].to(dev)  # (T,) targets
+                lps = [F.log_softmax(l[i, lo:e - s], dim=-1) for l in logits]  # (T, V) fp32
                 for j, lp in enumerate(lps):
                     nll[j] -= lp.gather(1, y[:, None]).double().sum().item()
                 if len(models) == 2:
@@ -138,6 +161,8 @@ def _score(models: list[Transformer], tokenizer: Tokenizer, text: str, seq_len: 
                 count += y.numel()
                 bar.update(y.numel())
     bar.close()
+    if count == 0:
+        raise ValueError(f"no token to score: every window of {seq_len} tokens is within its {prompt_len}-token prompt")
     mean = [v / count for v in nll]
     out: dict[str, float | int] = {"perplexity": math.exp(mean[0]), "nll": mean[0], "tokens": count}
     if len(models) == 2:

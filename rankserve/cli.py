@@ -225,6 +225,14 @@ def inspect_cmd(model: Path = typer.Argument(...), as_json: bool = typer.Option(
                  f"{cfg.num_key_value_heads} x {cfg.head_dim}, mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}\n"
                  f"  {len(ranks)} factorized projections (ranks {min(ranks) if ranks else '-'}..{max(ranks) if ranks else '-'}),"
                  f" {info['dense']} dense, {len(man.groups)} shared bases")
+        if "parse" in man.methods:  # its keep above is the pool's memory; a request computes with K a matrix
+            st = man.methods["parse"]
+            info["parse"] = {key: st.get(key) for key in ("base", "keep", "keep_static", "keep_compute", "pool_factor")}
+            info["parse"].update(matrices=len(st["k"]), k=sum(st["k"].values()), r_max=sum(st["r_max"].values()))
+            p = info["parse"]
+            human += (f"\n  PARSE ({p['base']}): {p['matrices']} routed matrices, K {p['k']} of r_max {p['r_max']} "
+                      f"components; a request computes with keep {p['keep_compute']:.4f} (asked {p['keep']}), the "
+                      f"pool stores keep {man.keep:.4f}")
         _emit(as_json, info, human)
 
     _run(body)
@@ -320,10 +328,18 @@ def eval_cmd(
     stride: Optional[int] = typer.Option(None, "--stride", help="new tokens scored per window (default seq-len)"),
     max_tokens: int = typer.Option(0, "--max-tokens", help="score at most this many tokens (0 = all)"),
     markdown: Optional[Path] = typer.Option(None, "--markdown", help="also write the result as a markdown table here"),
+    parse_mode: Optional[str] = typer.Option(None, "--parse-mode", help="a PARSE checkpoint: route (default: each "
+                                             "window's subset routed on its prompt, as served) | static (the first K "
+                                             "components) | pool (all r_max)"),
+    prompt_len: Optional[int] = typer.Option(None, "--prompt-len", help="a window's first tokens are its prompt "
+                                             "and are not scored (default 64 on a PARSE checkpoint, else 0; pass the "
+                                             "same to a static model to score the same tokens)"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Fidelity suite: perplexity over a text file (sliding window); with --reference also top-1 agreement, KL and
     greedy identity over a fixed prompt set."""
+    if prompt_len is not None and prompt_len < 0:
+        _fail(f"--prompt-len must be >= 0, got {prompt_len}")
     if max_tokens < 0:
         _fail(f"--max-tokens must be >= 0 (0 = all), got {max_tokens}")
     if greedy_tokens < 1:
@@ -338,13 +354,22 @@ def eval_cmd(
         if markdown is not None:
             _check_out_file("--markdown", markdown)
         res = fidelity(model, data, reference_dir=reference, prompts_path=prompts, n_tokens=greedy_tokens,
-                       seq_len=seq_len, stride=stride, max_tokens=max_tokens or None, progress=not as_json)
+                       seq_len=seq_len, stride=stride, max_tokens=max_tokens or None, progress=not as_json,
+                       parse_mode=parse_mode, prompt_len=prompt_len)
         if markdown is not None:
             _write_atomic(markdown, fidelity_table([res]))
         human = f"perplexity {res['perplexity']:.4f} over {res['tokens']} tokens"
+        notes = [{"route": "PARSE: each window's subset routed on its prompt",
+                  "static": "PARSE: the first K components, the static baseline",
+                  "pool": "PARSE: all r_max components"}[res["parse_mode"]]] if "parse_mode" in res else []
+        if res.get("prompt_len"):
+            notes.append(f"a window's first {res['prompt_len']} tokens are its prompt, not scored")
+        human += f" ({'; '.join(notes)})" if notes else ""
         if "top1_agreement" in res:
             human += (f"; top-1 agreement {res['top1_agreement']:.4f}, KL {res['kl']:.5f}, greedy identity "
-                      f"{res['greedy_identity']:.3f} vs {reference} (perplexity {res['reference_perplexity']:.4f})")
+                      f"{res['greedy_identity']:.3f} vs {reference} (perplexity {res['reference_perplexity']:.4f}"
+                      + (")" if res["reference_family"] == "dense" else
+                         f"; not dense: {res['reference_family']} at keep {res['reference_keep']:.4f})"))
         _emit(as_json, res, human)
 
     _run(body)

@@ -156,6 +156,22 @@ def parse_model(tmp_path_factory) -> Path:
     return out
 
 
+def test_inspect_and_eval_tell_a_parse_checkpoints_compute_from_its_memory(parse_model):
+    """inspect: the pool's keep (memory) and a request's (compute, K); eval: routed per window by default, the
+    static and pool modes on the same tokens."""
+    info = json.loads(rankserve("inspect", parse_model, "--json").stdout)
+    assert info["keep"] > 1 and abs(info["parse"]["keep_compute"] - 0.6) < 0.02 and info["parse"]["matrices"] == 35
+    p = rankserve("inspect", parse_model)
+    assert "a request computes with keep 0.5801 (asked 0.6)" in p.stdout and "the pool stores keep 1.1601" in p.stdout
+    ev = {m: json.loads(rankserve("eval", parse_model, "--data", HEAD, "--max-tokens", "400", "--seq-len", "128",
+                                  *(["--parse-mode", m] if m else []), "--json").stdout) for m in (None, "static")}
+    assert ev[None]["parse_mode"] == "route" and ev["static"]["parse_mode"] == "static"
+    assert ev[None]["prompt_len"] == 64 and ev[None]["tokens"] == ev["static"]["tokens"] < 399
+    p = rankserve("eval", parse_model, "--data", HEAD, "--max-tokens", "400", "--seq-len", "128")
+    assert p.returncode == 0 and "PARSE: each window's subset routed on its prompt" in p.stdout, p.stderr
+    assert_clean_error(rankserve("eval", BUNDLED, "--data", HEAD, "--parse-mode", "static"), "not a PARSE checkpoint")
+
+
 def test_generate_parse_and_replayed_subset_agree(parse_model, tmp_path):
     from rankserve.workers.parse import digest
 

@@ -57,6 +57,21 @@ def test_perplexity_is_exp_mean_nll(stories):
     assert got["perplexity"] == pytest.approx(float(nll.mean().exp()), rel=1e-5)
 
 
+def test_a_windows_prompt_is_not_scored(stories):
+    """prompt_len P: a window's targets at positions < P are its prompt's (not scored); the masks hook sees every
+    batch of windows before the model runs it."""
+    model, tok = stories
+    ids = tok.encode(TEXT, bos=True)
+    seen = []
+    got = perplexity(model, tok, TEXT, seq_len=16, prompt_len=5, batch_size=2, masks=lambda x: seen.append(x.shape))
+    nll = torch.cat([_nll_by_hand(model, ids, s, e, max(f, s + 4)) for s, e, f in windows(len(ids), 16, 16)
+                     if max(f, s + 4) < e])  # the last window overlaps: it scores only what the others did not
+    assert got["tokens"] == nll.numel() and got["nll"] == pytest.approx(float(nll.mean()), rel=1e-5)
+    assert sum(b for b, _ in seen) == len(windows(len(ids), 16, 16)) and {S for _, S in seen} == {16}
+    with pytest.raises(ValueError, match="shorter than the window"):
+        perplexity(model, tok, TEXT, seq_len=16, prompt_len=16)
+
+
 @pytest.mark.parametrize("seq_len,stride,batch_size", [(16, 16, 1), (16, 6, 3), (24, 7, 8)])
 def test_sliding_windows_by_hand(stories, seq_len, stride, batch_size):
     model, tok = stories
