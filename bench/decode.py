@@ -711,8 +711,8 @@ def markdown(paths: list[str]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="rankserve bench decode", description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str = "rankserve bench decode") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results/decode.json")
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     ap.add_argument("--keeps", nargs="+", type=float, default=[0.6, 0.8])

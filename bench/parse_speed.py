@@ -143,7 +143,7 @@ def check(pool, slots: ParseSlots, subsets: list[dict], steps: int = 8) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rankserve.bench.parse_speed", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="rankserve bench parse-speed", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results/parse-speed.json")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--keep", type=float, default=0.6)

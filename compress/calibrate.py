@@ -15,6 +15,7 @@ which changes the tokenization of one position per chunk (1 MiB of text) — noi
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -80,6 +81,12 @@ def calibrate(model: Transformer, tokenizer: Tokenizer, text_path: str | Path,
                 model(batch.to(device))  # (B, S) -> hooks add xᵀx; logits are discarded
                 tokens += batch.numel()
                 bar.update(batch.numel())
+        if tokens < max_tokens:  # the text ran out first: say so rather than leave the bar short of its end
+            bar.total = tokens
+            bar.refresh()
+            if progress and tokens:
+                tqdm.write(f"calibration text {path.name} gives {tokens} tokens (of the {max_tokens} allowed)",
+                           file=sys.stderr)  # stdout stays the command's own output
     finally:
         bar.close()
         for h in handles:

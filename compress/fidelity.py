@@ -85,9 +85,9 @@ def fidelity(model_dir: str | Path, data_path: str | Path, reference_dir: str | 
     if reference.cfg.vocab_size != model.cfg.vocab_size:
         raise ValueError(f"{reference_dir} has a different vocabulary ({reference.cfg.vocab_size} tokens) "
                          f"than {model_dir} ({model.cfg.vocab_size}): not its reference")
+    prompts = read_prompts(prompts_path or DEFAULT_PROMPTS)  # a bad prompt file fails before the long pass
     out.update(compare(model, reference, tok, text, seq_len, stride, max_tokens, progress=progress,
                        prompt_len=prompt_len, masks=masks))
-    prompts = read_prompts(prompts_path or DEFAULT_PROMPTS)
     at = greedy_identity(model, reference, tok, prompts, n_tokens, prefixes=tuple(sorted({min(4, n_tokens), n_tokens})),
                          before=before)
     out["greedy_identity"] = at[n_tokens]

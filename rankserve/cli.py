@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -188,6 +189,8 @@ def compress_cmd(
         _fail(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
     if not 0 < keep <= 1:
         _fail(f"--keep must be in (0, 1], got {keep}")
+    if calib is None and method != "svd":
+        _fail(f"--method {method} whitens with calibration statistics: pass --calib TEXT (a text file)")
 
     def body():
         from rankserve.compress.factorize import compress_model
@@ -265,8 +268,8 @@ def generate_cmd(
     """Generate text from a prompt.
 
     A PARSE checkpoint routes every prompt; --parse says so (and fails on a static checkpoint), --subset replays a
-    stored choice. With --json and either flag, "subset" holds the subset's digest and its size per matrix (the
-    whole subset can be large: --subset-out writes it).
+    stored choice. With --json, a PARSE checkpoint's "subset" holds the subset's digest and its size per matrix
+    (the whole subset can be large: --subset-out writes it).
     """
     if parse and subset_file is not None:
         _fail("--parse and --subset exclude each other: route the prompt, or replay a stored subset")
@@ -288,8 +291,14 @@ def generate_cmd(
         from rankserve.workers.parse import digest
         from rankserve.workers.sampler import SamplingParams
 
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                seed=seed, stop=tuple(stop), logprobs=logprobs)
+        try:
+            params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    seed=seed, stop=tuple(stop), logprobs=logprobs)
+        except ValueError as e:  # its messages name the fields: say the flags
+            msg = str(e)
+            for field in ("max_new_tokens", "temperature", "top_p", "top_k", "logprobs", "stop"):
+                msg = re.sub(rf"\b{field}\b", "--" + field.replace("_", "-"), msg)
+            raise ValueError(msg) from None
         if subset_out is not None:
             _check_out_file("--subset-out", subset_out)
         engine = Engine.load(model, device=_device(device), dtype=_dtype(dtype))
@@ -300,6 +309,8 @@ def generate_cmd(
                                  f"--subset need a checkpoint built by `rankserve train-parse`")
             subset = (_read_subset(subset_file, engine.routers) if subset_file else
                       engine.rank_subset(prompt if ids is None else ids))
+        elif engine.routers is not None:  # a PARSE checkpoint routes every prompt: report what it chose
+            subset = engine.rank_subset(prompt if ids is None else ids)
         r = engine.generate(prompt if ids is None else ids, params, subset=subset)
         out = {"text": r.text, "token_ids": r.token_ids, "num_prompt_tokens": r.num_prompt_tokens,
                "finish_reason": r.finish_reason}
@@ -642,7 +653,7 @@ def bench_prefill_cmd(ctx: typer.Context) -> None:
     """GPU prefill latency benchmark; arguments go to bench/decode.py --prefill-only."""
     from rankserve.bench.decode import main
 
-    sys.exit(main(["--prefill-only", *ctx.args]))
+    sys.exit(main(["--prefill-only", *ctx.args], prog="rankserve bench prefill"))
 
 
 @bench_app.command("parse-speed", context_settings=PASS_THROUGH)

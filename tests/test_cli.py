@@ -80,6 +80,8 @@ def test_bad_inputs(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     assert_clean_error(rankserve("compress", "--method", "svd-llm", "--calib", empty, BUNDLED, tmp_path / "o"), "")
+    assert_clean_error(rankserve("compress", "--method", "basis-sharing", BUNDLED, tmp_path / "o"),
+                       "--method basis-sharing whitens with calibration statistics: pass --calib TEXT")
     assert_clean_error(rankserve("import", "--family", "nope", BUNDLED, tmp_path / "o"), "unknown family")
     assert not (tmp_path / "o").exists()
 
@@ -184,6 +186,8 @@ def test_generate_parse_and_replayed_subset_agree(parse_model, tmp_path):
     assert routed["subset"]["k"] == {n: len(idx) for n, idx in subset["k"].items()} and len(subset["k"]) == 35
     replayed = json.loads(rankserve("generate", parse_model, *prompt, "--subset", tmp_path / "s.json", "--json").stdout)
     assert replayed["token_ids"] == routed["token_ids"] and replayed["subset"] == routed["subset"]
+    plain = json.loads(rankserve("generate", parse_model, *prompt, "--json").stdout)  # routes all the same
+    assert plain["token_ids"] == routed["token_ids"] and plain["subset"] == routed["subset"]
 
     assert_clean_error(rankserve("generate", BUNDLED, "--parse"), "has no PARSE routers")
     subset["k"].pop("layers.0.attn.q")
@@ -401,6 +405,12 @@ def test_eval_arguments_and_nan_perplexity(tmp_path):
     assert json.loads(p.stdout, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))["perplexity"] is None
     assert "| nan |" in (tmp_path / "t.md").read_text()
     assert sorted(f.name for f in tmp_path.iterdir()) == ["nan", "t.md"]
+
+
+def test_sampling_errors_name_the_flags():
+    for flags, msg in [(["--max-new-tokens", "0"], "--max-new-tokens must be positive"),
+                       (["--top-p", "0"], "--top-p must be in (0, 1]"), (["--top-k", "-1"], "--top-k must be >= 0")]:
+        assert_clean_error(rankserve("generate", BUNDLED, *flags), msg)
 
 
 def test_unusable_device_is_a_one_line_error(tmp_path):

@@ -135,6 +135,19 @@ def test_shared_basis_full_rank_reproduces_members():
 
 
 # --- calibration -----------------------------------------------------------------------------------
+def test_a_short_calibration_text_is_reported(tiny_dir, tmp_path, capsys):
+    """Fewer tokens than allowed: the bar ends at what was read, and a line says how many."""
+    model, _ = load_checkpoint(tiny_dir)
+    tok = Tokenizer.load(tiny_dir)
+    short = tmp_path / "short.txt"
+    short.write_text(CALIB.read_text()[:3000])
+    stats = calibrate(model, tok, short, max_tokens=100_000, seq_len=128, progress=True)
+    err = capsys.readouterr().err
+    assert 0 < stats.tokens < 100_000
+    assert f"calibration text short.txt gives {stats.tokens} tokens (of the 100000 allowed)" in err
+    assert f"{stats.tokens}/{stats.tokens}" in err
+
+
 def test_calibration_grams(tiny_dir):
     model, _ = load_checkpoint(tiny_dir)
     tok = Tokenizer.load(tiny_dir)
