@@ -39,6 +39,20 @@ def _assert_steps_close(got: list, ref: list, tol: float = 1e-4) -> None:
         assert err <= tol, f"step {s}: relative error {err}"
 
 
+def _assert_slots_follow_the_pool(pool: Transformer, slots: ParseSlots, subsets: list[dict], prompt: torch.Tensor,
+                                  steps: list[torch.Tensor]) -> None:
+    """After slots.load(subsets), prefill + steps give the eager masked pool's logits (a fresh cache each)."""
+    B = len(subsets)
+    with torch.no_grad():
+        apply(pool, subsets)
+        cache = KVCache(CFG.num_hidden_layers, B, 32, CFG.num_key_value_heads, CFG.head_dim)
+        ref = [pool(prompt, cache, last_only=True)] + [pool(t[:, None], cache, last_only=True) for t in steps]
+        clear(pool)
+        slots.load(subsets)
+        got = [slots.decoder.prefill(prompt)] + [slots.decoder.step(t).clone() for t in steps]
+    _assert_steps_close(got, ref)
+
+
 def _subset(routers: Routers, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {"v": 1, "k": {n: sorted(torch.randperm(routers.r_max[n], generator=g)[:k].tolist())
@@ -94,15 +108,7 @@ def test_slots_with_dense_members_match_masked_eager_pool(B, backend):
     steps = [torch.randint(0, CFG.vocab_size, (B,)) for _ in range(3)]
     slots = ParseSlots(pool, routers, DecodeConfig(batch_size=B, max_seq_len=32, backend=backend, graph="none"))
     for seed in (0, 10):
-        subsets = [_subset(routers, seed + s) for s in range(B)]
-        with torch.no_grad():
-            apply(pool, subsets)
-            cache = KVCache(CFG.num_hidden_layers, B, 32, CFG.num_key_value_heads, CFG.head_dim)
-            ref = [pool(prompt, cache, last_only=True)] + [pool(t[:, None], cache, last_only=True) for t in steps]
-            clear(pool)
-            slots.load(subsets)
-            got = [slots.decoder.prefill(prompt)] + [slots.decoder.step(t).clone() for t in steps]
-        _assert_steps_close(got, ref)
+        _assert_slots_follow_the_pool(pool, slots, [_subset(routers, seed + s) for s in range(B)], prompt, steps)
     L = slots.layers[0]
     assert not hasattr(L, "Vqkv") and not hasattr(L, "Wqkv") and not hasattr(L, "Vgu")
     assert sorted(L.keep_proj) == (["gate", "k", "q"] if B > 1 else [])
@@ -344,16 +350,8 @@ def test_one_launch_step_follows_a_reloaded_subset(B):
     assert slots.decoder.step_kernel is not None
     prompt = torch.randint(0, CFG.vocab_size, (B, 5))
     steps = [torch.randint(0, CFG.vocab_size, (B,)) for _ in range(2)]
-    with torch.no_grad():
-        for seed in (1, 2):
-            sub = [_subset(routers, seed + 10 * b) for b in range(B)]
-            apply(pool, sub)
-            cache = KVCache(CFG.num_hidden_layers, B, 32, CFG.num_key_value_heads, CFG.head_dim)
-            ref = [pool(prompt, cache, last_only=True)] + [pool(t[:, None], cache, last_only=True) for t in steps]
-            clear(pool)
-            slots.load(sub)
-            got = [slots.decoder.prefill(prompt)] + [slots.decoder.step(t).clone() for t in steps]
-            _assert_steps_close(got, ref)
+    for seed in (1, 2):
+        _assert_slots_follow_the_pool(pool, slots, [_subset(routers, seed + 10 * b) for b in range(B)], prompt, steps)
 
 
 def test_one_row_prefill_reads_the_rows_own_components():
