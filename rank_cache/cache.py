@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 
-from .store import REDIS_ERRORS, RedisStore
+from .store import REDIS_ERRORS, REFUSED, MalformedEntry, RedisStore, decode_subset, encode_subset
 
 Space = tuple[str, str]  # (family, model version)
 log = logging.getLogger(__name__)
@@ -65,11 +65,12 @@ class Hit:
 
 
 class _Space:
-    """One (family, version): FAISS index + id -> subset, mutated only under RankCache._lock."""
+    """One (family, version): FAISS index + id -> encoded subset (decoded on a hit: a 7B subset is ~0.1 MB
+    encoded, ~11 MB as Python lists), mutated only under RankCache._lock."""
 
     def __init__(self, dim: int):
         self.index = RankIndex(dim)
-        self.subsets: dict[int, dict | None] = {}
+        self.subsets: dict[int, bytes] = {}
 
     def add(self, ids, vecs, subsets) -> None:
         new = [j for j, i in enumerate(ids) if int(i) not in self.subsets]  # stream replays what a rebuild read
@@ -102,6 +103,11 @@ class RankCache:
         redis_timeout_s: float = 0.5,
         poll_ms: int = 200,  # stream read block; also how often LRU touches are flushed
     ):
+        for name, t in [("threshold", threshold)] + [(f"thresholds[{f!r}]", t) for f, t in (thresholds or {}).items()]:
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not -1 <= t <= 1:
+                raise ValueError(f"rank cache {name} must be a cosine similarity in [-1, 1], got {t!r}")
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
+            raise ValueError(f"rank cache max_entries must be a positive integer, got {max_entries!r}")
         self.store = RedisStore(redis_url, timeout_s=redis_timeout_s, dim=dim)
         self.threshold = threshold
         self.thresholds = dict(thresholds or {})
@@ -139,12 +145,15 @@ class RankCache:
         if not self.redis_up:
             return  # the tail thread rebuilds every tracked space when Redis answers again
         try:
+            last = self.store.last_stream_id()  # before the scan: deletes during it are replayed below
             ids, vecs, subsets = self.store.entries(*sp)
+            gone = [ev.id for ev in self.store.events_since(last) if ev.op == "del" and (ev.family, ev.version) == sp]
         except REDIS_ERRORS:
             self.redis_up = False
             return
         with self._lock:
             self._spaces[sp].add(ids, vecs, subsets)  # idempotent with what the stream added meanwhile
+            self._spaces[sp].remove(gone)  # an entry evicted while scanning was read by the scan: drop it again
 
     def close(self) -> None:
         self._stop.set()
@@ -165,23 +174,47 @@ class RankCache:
             if not found or found[0][1] < self.thresholds.get(family, self.threshold):
                 return None
             id, score = found[0]
+            raw = space.subsets[id]
+        try:
+            subset = decode_subset(raw)  # outside the lock: ~ms for a 7B subset
+        except MalformedEntry as e:  # checked when read; cannot happen for what `insert` wrote
+            log.warning("rank cache: entry %s of %s cannot be decoded (%s): a miss", id, sp, e)
+            return None
+        with self._lock:
             self._touched.setdefault(sp, set()).add(id)
-            return Hit(id, score, space.subsets[id])
+        return Hit(id, score, subset)
 
     def insert(self, family: str, version: str, vec: np.ndarray, subset: dict | None) -> int | None:
-        """Write a worker's choice back (Redis, then the local index). None when Redis is down: nothing stored."""
+        """Write a worker's choice back (Redis, then the local index). None when Redis is down or refuses the
+        write (out of memory, say): nothing stored."""
         if not self.redis_up:  # don't pay a connect timeout per request; the tail thread notices recovery
             return None
+        raw = encode_subset(subset)
         try:
-            id, evicted = self.store.put(family, version, vec, subset, self.max_entries, time.time())
+            id, evicted = self.store.put(family, version, vec, raw, self.max_entries, time.time())
+        except REFUSED as e:  # Redis is up but said no: drop this insert only (no rebuild, no "down")
+            log.warning("rank cache: Redis refused an insert into %s/%s: %s", family, version, e)
+            return None
         except REDIS_ERRORS:
             self.redis_up = False
             return None
         with self._lock:
             space = self._spaces.setdefault((family, version), _Space(self.dim))
-            space.add([id], np.asarray(vec, np.float32).reshape(1, -1), [subset])
+            space.add([id], np.asarray(vec, np.float32).reshape(1, -1), [raw])
             space.remove(evicted)
         return id
+
+    def discard(self, family: str, version: str, id: int) -> None:
+        """Remove an entry (e.g. one the worker refused), here and in Redis; best effort, never raises."""
+        with self._lock:
+            space = self._spaces.get((family, version))
+            if space is not None:
+                space.remove([id])
+        if self.redis_up:
+            try:
+                self.store.delete(family, version, id)
+            except REDIS_ERRORS as e:
+                log.warning("rank cache: could not delete entry %s of %s/%s: %s", id, family, version, e)
 
     def size(self, family: str, version: str) -> int:
         with self._lock:
@@ -223,7 +256,7 @@ class RankCache:
                     backoff = 0.1
                 self._flush_touches()
                 last, events = self.store.read_stream(self._last_id, block_ms=self.poll_ms)
-                self._apply(last, events)
+                self._apply(last, self._read_added(events))
             except REDIS_ERRORS:
                 self.redis_up = False
             except Exception:  # a bug or data we didn't foresee: the local index may be off, so rebuild it
@@ -231,6 +264,26 @@ class RankCache:
                 self.redis_up = False
                 self._stop.wait(backoff)  # no busy loop if it keeps failing
                 backoff = min(backoff * 2, 2.0)
+
+    def _read_added(self, events: list) -> list:
+        """The events with every `add` this replica needs read from its entry (vec, subset); an add of an entry
+        already evicted, malformed, or of a space not served is left out."""
+        with self._lock:
+            need: dict[Space, list[int]] = {}
+            for ev in events:
+                space = self._spaces.get((ev.family, ev.version))
+                if ev.op == "add" and space is not None and ev.id not in space.subsets:
+                    need.setdefault((ev.family, ev.version), []).append(ev.id)
+        got = {(sp, i): (vec, raw) for sp, ids in need.items() for i, vec, raw in self.store.fetch(*sp, ids)}
+        out = []
+        for ev in events:
+            if ev.op == "add":
+                found = got.get(((ev.family, ev.version), ev.id))
+                if found is None:
+                    continue
+                ev.vec, ev.subset = found
+            out.append(ev)
+        return out
 
     def _apply(self, last: str, events) -> None:
         """Apply events read from the stream, up to stream id `last` (past any malformed entries left out)."""

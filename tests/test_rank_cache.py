@@ -8,6 +8,8 @@ Run alone:  .venv/bin/python -m pytest tests/test_rank_cache.py -q     (needs `r
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 import time
 
 import numpy as np
@@ -228,30 +230,43 @@ STREAM = f"rankcache:{KEY_SCHEMA}:stream"
 
 
 def test_malformed_stream_entries_are_skipped(make_cache, server, caplog):
-    """Another writer's (or a hand-made) bad entry is logged and skipped; the tail thread keeps applying later ones."""
+    """Another writer's (or a hand-made) bad entry is logged and skipped; the tail thread keeps applying later ones.
+    A stream event carries ids only: an `add` whose entry is malformed (vector or subset) is skipped when read."""
     a, b = make_cache(), make_cache()
     r = redis.Redis.from_url(server.url)
-    good = {"op": "add", "family": "svd-llm", "version": "m1", "id": "500", "vec": unit("x").tobytes(), "subset": "{}"}
-    bad = [
-        {"op": "add", "family": "x", "version": "v9", "id": "1", "vec": "x", "subset": "{not json"},  # other space
-        {**good, "vec": unit("x")[:100].tobytes()},  # a tracked space: short vector
-        {**good, "subset": "{not json"},
-        {**good, "subset": "[1, 2]"},  # JSON, but not an object
-        {**good, "subset": "[" * 100_000},  # deeper than the JSON parser goes
-        {**good, "id": "not-an-id"},
-        {**good, "op": "upsert"},
+    sp = f"rankcache:{KEY_SCHEMA}:svd-llm:m1"
+    add = {"op": "add", "family": "svd-llm", "version": "m1"}
+    bad_events = [
+        {**add, "id": "not-an-id"},
+        {**add, "id": "0"},  # ids come from INCR: positive
+        {**add, "id": "1", "op": "upsert"},
         {"op": "add", "family": "svd-llm"},  # fields missing
     ]
-    for fields in bad:
+    bad_entries = {  # id -> the entry's fields: each read by both replicas when its add event arrives
+        501: {"vec": unit("x")[:100].tobytes(), "subset": b"{}"},  # short vector
+        502: {"vec": (2 * unit("x")).tobytes(), "subset": b"{}"},  # not a unit vector: it would win every search
+        503: {"vec": np.full(DIM, np.nan, np.float32).tobytes(), "subset": b"{}"},
+        504: {"vec": unit("x").tobytes(), "subset": b"{not json"},
+        505: {"vec": unit("x").tobytes(), "subset": b"[1, 2]"},  # JSON, but not an object
+        506: {"vec": unit("x").tobytes(), "subset": b"[" * 100_000},  # deeper than the JSON parser goes
+        507: {"vec": unit("x").tobytes(), "subset": b"rsbits1\n{\"names\": [\"a\"], \"sizes\": [64]}\n\x01"},
+    }
+    for fields in bad_events:
         r.xadd(STREAM, fields)
+    for i, fields in bad_entries.items():
+        r.hset(f"{sp}:e:{i}", mapping=fields)
+        r.xadd(STREAM, {**add, "id": str(i)})
+    r.xadd(STREAM, {**add, "id": "508"})  # an entry evicted before anyone read it: nothing to log
     v = unit("after the bad ones")
     a.insert("svd-llm", "m1", v, {"ok": 1})
     wait_for(lambda: b.lookup("svd-llm", "m1", v) is not None, what="replica b to see the insert after bad entries")
     assert b.lookup("svd-llm", "m1", v).subset == {"ok": 1} and b.size("svd-llm", "m1") == 1
-    assert b.redis_up and b._thread.is_alive()
+    assert a.size("svd-llm", "m1") == 1 and b.redis_up and b._thread.is_alive()
     # a and b both skip each; a's tail thread reads the stream on its own time (the wait above is on b only: a CI run
     # once asserted with 13 of the 16 skips logged), so wait for the count rather than read it once
-    wait_for(lambda: sum("skipping stream entry" in m for m in caplog.messages) >= 2 * len(bad),
+    wait_for(lambda: sum("skipping stream entry" in m for m in caplog.messages) >= 2 * len(bad_events),
+             what="both replicas to log a skip for every bad event")
+    wait_for(lambda: sum("skipping entry" in m for m in caplog.messages) >= 2 * len(bad_entries),
              what="both replicas to log a skip for every bad entry")
 
 
@@ -289,3 +304,98 @@ def test_malformed_entries_are_skipped_on_rebuild(make_cache, server):
     b = make_cache()  # start() rebuilds from Redis: the bad entries are left out, the good one served
     assert b.size("svd-llm", "m1") == 1 and b.lookup("svd-llm", "m1", v).subset == {"good": 1}
     assert b.redis_up
+
+
+# ---- entry size, Redis refusing writes, deletes ---------------------------------------------------------------------
+
+def _parse_subset(rng: np.random.Generator, matrices: int, k: int, r_max: int) -> dict:
+    return {"v": 1, "k": {f"layers.{i // 7}.p{i % 7}": sorted(rng.choice(r_max, k, replace=False).tolist())
+                          for i in range(matrices)}}
+
+
+def test_subsets_are_stored_compactly_and_come_back_equal():
+    """A PARSE subset is stored as a bitmask a matrix (7B shape: 224 matrices, K ~1,470 of r_max 2K each: ~330,000
+    indices); anything else as JSON; every form decodes to what was encoded."""
+    from rankserve.rank_cache.store import decode_subset, encode_subset
+    big = _parse_subset(np.random.default_rng(0), 224, 1470, 2940)
+    raw = encode_subset(big)
+    assert decode_subset(raw) == big and len(raw) < len(json.dumps(big)) / 10 and len(raw) < 100_000
+    for other in (None, {"ok": 1}, {"v": 1, "k": {"a": [3, 1]}}, {"v": True, "k": {"a": [1]}}, {"v": 1, "k": {}},
+                  {"v": 1, "k": {"a": []}}, {"v": 1, "k": {"a": [0, 2]}, "x": 1}):
+        assert decode_subset(encode_subset(other)) == other
+
+
+def test_a_refused_insert_costs_only_itself(make_cache, server, caplog):
+    """Redis out of memory (noeviction): the insert is dropped and logged; the cache stays up, keeps serving what it
+    has and does not rebuild."""
+    c = make_cache()
+    r = redis.Redis.from_url(server.url)
+    v = unit("stored before the limit")
+    c.insert("svd-llm", "m1", v, {"ok": 1})
+    rebuilds = []
+    c._rebuild = lambda: rebuilds.append(1) or True
+    r.config_set("maxmemory-policy", "noeviction")
+    r.config_set("maxmemory", max(1, int(r.info("memory")["used_memory"]) - 1))  # already over: every write refused
+    try:
+        assert c.insert("svd-llm", "m1", unit("refused"), _parse_subset(np.random.default_rng(1), 14, 20, 40)) is None
+    finally:
+        r.config_set("maxmemory", 0)
+    assert c.redis_up and not rebuilds and "Redis refused an insert" in caplog.text
+    assert c.lookup("svd-llm", "m1", v).subset == {"ok": 1}
+    assert c.insert("svd-llm", "m1", unit("after"), None) is not None
+
+
+def test_bad_keys_in_a_space_are_skipped_on_rebuild(make_cache, server):
+    """A key of the wrong type and an id past int64 in the space's id set: skipped, the rest served."""
+    a = make_cache()
+    v = unit("good")
+    a.insert("svd-llm", "m1", v, {"good": 1})
+    r = redis.Redis.from_url(server.url)
+    sp = f"rankcache:{KEY_SCHEMA}:svd-llm:m1"
+    r.set(f"{sp}:e:77", "a string, not a hash")
+    r.zadd(f"{sp}:ids", {"77": time.time(), str(2**64): time.time()})
+    r.set(f"rankcache:{KEY_SCHEMA}:basis-sharing:m1:ids", "not a sorted set")
+    b = make_cache()
+    assert b.redis_up and b.size("svd-llm", "m1") == 1 and b.size("basis-sharing", "m1") == 0
+    assert b.lookup("svd-llm", "m1", v).subset == {"good": 1}
+
+
+def test_discard_removes_an_entry_everywhere(make_cache):
+    a, b = make_cache(), make_cache()
+    v = unit("refused by the worker")
+    id = a.insert("svd-llm", "m1", v, {"bad": 1})
+    wait_for(lambda: b.lookup("svd-llm", "m1", v) is not None, what="b to see the entry")
+    a.discard("svd-llm", "m1", id)
+    assert a.lookup("svd-llm", "m1", v) is None
+    wait_for(lambda: b.lookup("svd-llm", "m1", v) is None, what="b to drop the entry")
+    a.discard("svd-llm", "m1", id)  # already gone: a no-op
+    c = make_cache()
+    assert c.size("svd-llm", "m1") == 0
+
+
+def test_an_entry_evicted_while_a_space_is_scanned_is_dropped(make_cache):
+    """track(): an entry the scan read but that was deleted before the scan ended is removed again."""
+    a = make_cache()
+    v, w = unit("evicted mid-scan"), unit("kept")
+    gone, kept = a.insert("basis-sharing", "m2", v, {"v": 1}), a.insert("basis-sharing", "m2", w, {"w": 1})
+    b = make_cache()
+    entries = b.store.entries
+
+    def scan_then_evict(*sp):
+        out = entries(*sp)
+        a.discard("basis-sharing", "m2", gone)  # deleted after the scan read it
+        return out
+
+    b.store.entries = scan_then_evict
+    b.track("basis-sharing", "m2")
+    assert b.lookup("basis-sharing", "m2", v) is None and b.lookup("basis-sharing", "m2", w).subset == {"w": 1}
+    assert b.size("basis-sharing", "m2") == 1 and kept is not None
+
+
+def test_bad_settings_are_refused_at_start(server):
+    for kw, msg in [(dict(threshold="0.9"), "threshold must be a cosine"), (dict(threshold=1.5), "threshold must"),
+                    (dict(thresholds={"svd-llm": None}), "thresholds['svd-llm'] must"),
+                    (dict(max_entries=0), "max_entries must be a positive integer"),
+                    (dict(max_entries=2.5), "max_entries must")]:
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            RankCache(server.url, **kw)
