@@ -2,7 +2,8 @@
 
 Per request: auth -> parse + validate (schemas.py, shared by both protocols) -> embed the prompt (MiniLM, batched
 across concurrent requests) -> rank-cache lookup for the family's model version -> the family's Worker, with the
-cached rank subset or none (a miss: the worker's own choice comes back and is written to the cache).
+cached rank subset or none (a miss: the worker's own choice comes back and is written to the cache; a cached subset
+the worker refuses counts as a miss and leaves the cache).
 
 HTTP:  POST /v1/completions and /v1/chat/completions (SSE when "stream": true), GET /v1/models, GET /healthz
        (liveness), GET /readyz. A chat request's messages are rendered by the family's chat template (the
@@ -94,6 +95,26 @@ def _logprobs(routed: Routed, entries: list[dict], prompt: bool = False) -> dict
     if routed.chat:
         return chat_logprobs(entries)
     return completion_logprobs(entries, None, len(routed.text) if routed.req.echo and not prompt else 0)
+
+
+def _cache_headers(routed: list[Routed]) -> dict[str, str]:
+    """Each prompt's rank-cache outcome (as its worker took it) and the router's overhead, as response headers."""
+    prompts = [r for r in routed if r.write_back]  # one per prompt
+    return {"x-rankserve-rank-cache": ",".join("hit" if r.hit else "miss" for r in prompts),
+            "x-rankserve-overhead-ms": f"{max(r.overhead_s for r in prompts) * 1e3:.3f}",
+            "x-rankserve-lookup-ms": f"{max(r.lookup_s for r in prompts) * 1e3:.3f}"}
+
+
+def _embed_each(embedder: Embedder, prompts: list[str]) -> list[np.ndarray | Exception]:
+    """Each prompt's (384,) embedding alone, or the exception embedding it raised: after a batch failed, so that
+    only the prompt that broke it fails."""
+    out: list[np.ndarray | Exception] = []
+    for p in prompts:
+        try:
+            out.append(embedder.embed([p])[0])
+        except Exception as e:
+            out.append(e)
+    return out
 
 
 def _proto_logprobs(entries: list[dict], prompt_entries: list[dict] | None = None,
@@ -225,10 +246,6 @@ class Router:
             self._authorize(request.headers.items())
             routed = await self._route(await request.body(), chat)
             family = routed[0].req.model
-            prompts = [r for r in routed if r.write_back]  # one per prompt
-            headers = {"x-rankserve-rank-cache": ",".join("hit" if r.hit else "miss" for r in prompts),
-                       "x-rankserve-overhead-ms": f"{max(r.overhead_s for r in prompts) * 1e3:.3f}",
-                       "x-rankserve-lookup-ms": f"{max(r.lookup_s for r in prompts) * 1e3:.3f}"}
             if routed[0].req.stream:
                 streams = [self._events(r) for r in routed]
                 try:  # errors before the first choice starts still get a proper status; later ones go in-band
@@ -236,8 +253,9 @@ class Router:
                 except BaseException:
                     await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
                     raise
+                # the headers go now: a later prompt's cached subset its worker refuses still shows as a hit here
                 return StreamingResponse(self._sse(routed, first, streams, t0), media_type="text/event-stream",
-                                         headers=headers)
+                                         headers=_cache_headers(routed))
             outs = await _gather_or_cancel([self._generate(r) for r in routed])
         except Failure as f:
             self._count(family, "http", f.status, t0)
@@ -255,7 +273,7 @@ class Router:
         build, prefix = (chat_completion_body, "chatcmpl") if chat else (completion_body, "cmpl")
         n_prompt = sum(out["prompt_tokens"] for r, out in zip(routed, outs) if r.write_back)  # once per prompt
         body = build(new_id(prefix), family, choices, n_prompt, sum(out["completion_tokens"] for out in outs))
-        return JSONResponse(body, headers=headers)
+        return JSONResponse(body, headers=_cache_headers(routed))
 
     async def _sse(self, routed: list[Routed], first: dict, streams: list[AsyncIterator[dict]], t0: float):
         """Server-sent events: one chunk per released piece of text (chat: after a chunk naming the role), then
@@ -324,15 +342,18 @@ class Router:
         return {"status": "ok"}
 
     @api.get("/readyz")
-    async def readyz(self):
+    async def readyz(self, request: Request):
         """Ready when every family's worker answers now (all asked at once, each within ready_timeout_s); the rank
-        cache is reported, not required."""
+        cache is reported, not required. Without a valid API key (when keys are set) only {"status"}: probes need
+        no key, and which families and model versions are served is for key holders."""
         fams = list(self.limits)
         answers = await asyncio.gather(*(self._ready(f) for f in fams), return_exceptions=True)
         # readiness reports any failure to reach a worker as "not ready"
         missing = [f"{f}: {type(a).__name__}" for f, a in zip(fams, answers) if isinstance(a, Exception)]
-        body = {"status": "ok" if not missing else "unavailable", "families": self.versions,
-                "unavailable": missing, "rank_cache_redis_up": bool(self.cache and self.cache.redis_up)}
+        body = {"status": "ok" if not missing else "unavailable"}
+        if self.keys.allows(list(request.headers.items())):
+            body.update(families=self.versions, unavailable=missing,
+                        rank_cache_redis_up=bool(self.cache and self.cache.redis_up))
         return JSONResponse(body, status_code=200 if not missing else 503)
 
     # ---- gRPC ------------------------------------------------------------------------------------------------
@@ -486,6 +507,9 @@ class Router:
         # the embedder reads a prompt's start; a chat's start is often the same system prompt and history, and
         # what sets this request apart is its last turn: the rendered conversation's tail is its key
         vec = await self._embed(text[-self.embedder.max_chars:] if chat else text)
+        if isinstance(vec, Exception):  # this prompt alone failed its embedding (see _embed): our bug, not the input's
+            log.error("embedding a %s prompt failed", req.model, exc_info=vec)
+            raise Failure(500, f"internal error embedding the prompt ({type(vec).__name__}); see the server logs")
         t1 = time.perf_counter()
         hit = self.cache.lookup(req.model, version, vec) if self.cache else None
         t2 = time.perf_counter()
@@ -493,7 +517,8 @@ class Router:
         self.m_embed.observe(t1 - t0, tags=tags)
         self.m_lookup.observe(t2 - t1, tags=tags)
         self.m_overhead.observe(t2 - t0, tags=tags)
-        (self.m_hits if hit else self.m_misses).inc(tags=tags)
+        if hit is None:  # a hit counts once its worker takes the cached subset (_settle)
+            self.m_misses.inc(tags=tags)
         if self.cache is not None:
             self.m_size.set(self.cache.size(req.model, version), tags=tags)
         self._report_redis()
@@ -524,8 +549,7 @@ class Router:
             raise _unavailable(req.model, e)
         if out["event"] == "error":
             raise Failure(out["status"], out["message"], out["param"])
-        if not out["cached"] and routed.write_back:  # a miss, or a cached subset the worker could not use
-            self._write_back(routed, out["subset"])
+        self._settle(routed, out)
         if out["finish_reason"] == "timeout":
             raise Failure(408, f"the request passed the {req.model} request timeout after "
                                f"{out['completion_tokens']} tokens; ask for fewer tokens or stream")
@@ -541,8 +565,8 @@ class Router:
             async for ev in gen:
                 if ev["event"] == "error":
                     raise Failure(ev["status"], ev["message"], ev["param"])
-                if ev["event"] == "start" and not ev["cached"] and routed.write_back:
-                    self._write_back(routed, ev["subset"])
+                if ev["event"] == "start":
+                    self._settle(routed, ev)
                 yield ev
             done = True
         except Failure:
@@ -582,17 +606,39 @@ class Router:
         await asyncio.wait_for(self._version(family), self.ready_timeout_s)  # at once after the first time
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
-    async def _embed(self, prompts: list[str]) -> list[np.ndarray]:
-        """Concurrent requests' prompts embedded together, off the event loop."""
-        x = await asyncio.to_thread(self.embedder.embed, prompts)  # (N, 384)
+    async def _embed(self, prompts: list[str]) -> list[np.ndarray | Exception]:
+        """Concurrent requests' prompts embedded together, off the event loop: each one's (384,) vector, or the
+        exception that embedding it alone raised (the caller fails that request only)."""
+        try:
+            x = await asyncio.to_thread(self.embedder.embed, prompts)  # (N, 384)
+        except Exception:  # one prompt can break the whole batch: embed each alone so only its own request fails
+            return await asyncio.to_thread(_embed_each, self.embedder, prompts)
         return list(x)
+
+    def _settle(self, routed: Routed, start: dict[str, Any]) -> None:
+        """The rank-cache outcome of one prompt (its first choice), from its worker's start event or result: a hit
+        counts once the worker takes the cached subset; one it refuses (fails this model's routers' checks) is a
+        miss, and leaves the cache; a miss's fresh choice is written back."""
+        if not routed.write_back:
+            return
+        tags = {"family": routed.req.model}
+        if routed.hit is not None and start.get("cache_rejected", False):  # .get: a worker from before the field
+            self._in_background(self.cache.discard, routed.req.model, routed.version, routed.hit.id)
+            routed.hit = None  # the header and gRPC's rank_cache_hit say miss
+            self.m_misses.inc(tags=tags)
+        elif routed.hit is not None:
+            self.m_hits.inc(tags=tags)
+        if not start["cached"]:  # a miss, or a cached subset the worker could not use
+            self._write_back(routed, start["subset"])
 
     def _write_back(self, routed: Routed, subset: dict | None) -> None:
         """Store the worker's choice for this prompt, in the background (Redis being slow never delays a token)."""
-        if self.cache is None:
-            return
-        task = asyncio.create_task(asyncio.to_thread(self.cache.insert, routed.req.model, routed.version,
-                                                     routed.vec, subset))
+        if self.cache is not None:
+            self._in_background(self.cache.insert, routed.req.model, routed.version, routed.vec, subset)
+
+    def _in_background(self, fn, *args) -> None:
+        """Run a rank-cache call on a thread without awaiting it; the task is kept until it ends."""
+        task = asyncio.create_task(asyncio.to_thread(fn, *args))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

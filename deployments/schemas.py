@@ -28,6 +28,7 @@ from rankserve.workers.chat import ROLES, ChatError, ChatTemplate
 from rankserve.workers.sampler import MAX_LOGPROBS, MIN_TEMPERATURE  # MIN: smaller means greedy (0)
 
 MAX_STOP = 4  # OpenAI's limit on stop strings
+MAX_STOP_CHARS = 256  # each stop string's: every generated token's stop check rescans up to this much of the text
 MAX_PROMPT_CHARS = 1_000_000  # refuse absurd bodies before tokenizing them; the token limit is the real bound
 MAX_PROMPT_TOKENS = 1_000_000  # the same for a prompt sent as token ids (the context is the real bound)
 INT32_MAX = 2**31 - 1  # token ids: the proto's int32
@@ -103,7 +104,16 @@ class _Request(BaseModel):
     def _stop_nonempty(cls, v: list[str]) -> list[str]:
         if any(s == "" for s in v):
             raise ValueError("stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in v):
+            raise ValueError(f"a stop string is {max(map(len, v))} characters; each may have at most {MAX_STOP_CHARS}")
+        for s in v:
+            _utf8(s, "a stop string")
         return v
+
+    @field_validator("user")  # `model` needs none: pydantic's min_length refuses a lone surrogate itself
+    @classmethod
+    def _user(cls, v: str | None) -> str | None:
+        return v if v is None else _utf8(v, "the user name")
 
     @field_validator("max_tokens", "top_k", "seed", "n", mode="before")
     @classmethod
@@ -149,6 +159,7 @@ class CompletionRequest(_Request):
                 kinds.add("text")
                 if len(p) > MAX_PROMPT_CHARS:
                     raise ValueError(f"a prompt is longer than {MAX_PROMPT_CHARS} characters")
+                _utf8(p, "a prompt")
             elif isinstance(p, list):
                 kinds.add("token ids")
                 for t in p:
@@ -214,6 +225,18 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] = Field(max_length=MAX_PROMPT_CHARS)
     name: str | None = None  # accepted for OpenAI clients, unused
 
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v: str | list[TextPart]) -> str | list[TextPart]:
+        for i, text in enumerate([v] if isinstance(v, str) else [p.text for p in v]):
+            _utf8(text, "the content" if isinstance(v, str) else f"content part {i}'s text")
+        return v
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        return v if v is None else _utf8(v, "the name")
+
     @property
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -272,6 +295,17 @@ class ChatRequest(_Request):
         req = CompletionRequest(**fields, prompt=prompt, max_tokens=self.max_tokens or limits.max_tokens,
                                 logprobs=(self.top_logprobs or 0) if self.logprobs else None)
         return req.model_copy(update={"stop": self.stop + [s for s in template.stop if s not in self.stop]})
+
+
+def _utf8(s: str, what: str) -> str:
+    """`s`, if it can be encoded as UTF-8; else ValueError naming the first lone surrogate (JSON allows "\\ud800"
+    alone, but no tokenizer or embedder reads it). The message never holds the surrogate: it must encode too."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} holds a lone surrogate (U+{ord(s[e.start]):04X}) at character {e.start}, which UTF-8 "
+                         "can't encode; send valid Unicode text") from None
+    return s
 
 
 def _is_id(t: Any) -> bool:

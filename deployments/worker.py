@@ -9,8 +9,10 @@ the event loop stays free between tokens: a cancelled request (client gone) leav
 and a request past its deadline ends there too; the other rows go on.
 
 Both calls produce the same events (plain dicts, they cross process boundaries):
-    {"event": "start", "prompt_tokens", "subset", "cached"[, "prompt_logprobs"]}
+    {"event": "start", "prompt_tokens", "subset", "cached", "cache_rejected"[, "prompt_logprobs"]}
                                                   or   {"event": "error", "status", "message", "param"}
+        "cached": the request runs the router's cached subset; "cache_rejected": it brought one this model refuses
+        (fails its routers' checks), so its own routers chose `subset` instead
     {"event": "token", "token_id", "text"[, "logprobs"]}         one per generated token; text may be "";
                                                                  "logprobs": the entries of the tokens whose
                                                                  text it releases, when asked for
@@ -112,6 +114,7 @@ def fold(events: list[dict]) -> dict[str, Any]:
                 logprobs=[l for e in tokens for l in e.get("logprobs", ())],  # empty unless asked for
                 prompt_tokens=start["prompt_tokens"], completion_tokens=end["completion_tokens"],
                 finish_reason=end["finish_reason"], subset=start["subset"], cached=start["cached"],
+                cache_rejected=start["cache_rejected"],
                 prompt_logprobs=start.get("prompt_logprobs"))  # with echo + logprobs
 
 
@@ -240,7 +243,10 @@ class Worker:
             if params.max_new_tokens > self.spec.max_tokens:
                 raise ValueError(f"max_tokens: {params.max_new_tokens} is above this model's limit of {self.spec.max_tokens}")
             param = "prompt"
-            n_prompt = len(self.engine.encode_prompt(prompt, params))  # raises if the prompt overflows the context
+            # on a thread: a long prompt tokenizes for a while (~0.3 s for 1 M characters) and the event loop
+            # serves the replica's other streams meanwhile; raises if the prompt overflows the context or the
+            # tokenizer can't read it
+            n_prompt = len(await asyncio.to_thread(self.engine.encode_prompt, prompt, params))
         except ValueError as e:
             self.m_requests.inc(tags={**tags, "outcome": "invalid"})
             yield dict(event="error", status=400, message=str(e), param=param)
@@ -401,9 +407,11 @@ class Worker:
         for req in reqs:
             self.m_queue.observe(time.monotonic() - req.t0, tags=tags)
             try:
+                rejected = False  # a cached subset this model refuses: the router counts a miss and drops the entry
                 if req.cached and self.engine.routers is not None:
                     req.subset = await self._call(self._check_subset, req.subset)
                     req.cached = req.subset is not None
+                    rejected = not req.cached
                 key = _key(req.prompt)
                 if not req.cached and key in routed:
                     req.subset = routed[key]
@@ -411,7 +419,8 @@ class Worker:
                     req.subset = routed[key] = await self._call(self.engine.rank_subset, req.prompt)
                     if req.subset is not None:  # None: a static family, no routers ran
                         self.m_router_runs.inc(tags=tags)
-                start = dict(event="start", prompt_tokens=req.n_prompt, subset=req.subset, cached=req.cached)
+                start = dict(event="start", prompt_tokens=req.n_prompt, subset=req.subset, cached=req.cached,
+                             cache_rejected=rejected)
                 if req.echo:  # the prompt's own logprobs, scored with the request's subset
                     scored = await self._call(self.engine.prompt_logprobs, req.prompt, req.params.logprobs,
                                               req.subset)

@@ -484,7 +484,8 @@ def test_rows_with_their_own_subsets_join_a_running_batch(svd_llm_dir, fast_path
 
 def test_worker_batch_of_hits_and_misses(svd_llm_dir):
     """Concurrent PARSE requests in one worker batch: a miss is routed, a hit keeps its cached subset, and a cached
-    subset this model can't take is routed afresh instead of failing the batch; each text is the engine's own."""
+    subset this model can't take is routed afresh instead of failing the batch (and reported as refused); each text
+    is the engine's own."""
     import asyncio
 
     from rankserve.deployments.worker import Worker
@@ -507,6 +508,7 @@ def test_worker_batch_of_hits_and_misses(svd_llm_dir):
     assert sorted(calls) == sorted([prompts[0], prompts[2]])  # the twin's miss took its sibling's routing
     want = [real(prompts[0]), hit, real(prompts[2])]
     assert [o["cached"] for o in outs] == [False, True, False]
+    assert [o["cache_rejected"] for o in outs] == [False, False, True]  # the router drops that entry, counts a miss
     assert [o["subset"] for o in outs] == want and twin["subset"] == want[0]
     assert twin["token_ids"] == outs[0]["token_ids"]
     greedy = SamplingParams(max_new_tokens=10, ignore_eos=True)

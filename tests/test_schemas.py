@@ -10,7 +10,8 @@ import json
 import pytest
 
 from rankserve.deployments.auth import ApiKeys
-from rankserve.deployments.schemas import FamilyLimits, RequestError, check_request, from_proto, parse_request
+from rankserve.deployments.schemas import (ChatRequest, CompletionRequest, FamilyLimits, RequestError, check_request,
+                                           from_proto, parse_request)
 
 FAMILIES = {"svd-llm": FamilyLimits(max_tokens=256), "basis-sharing": FamilyLimits(max_tokens=256)}
 OK = {"model": "svd-llm", "prompt": "Once upon a time"}
@@ -82,6 +83,8 @@ def test_stop_string_or_list():
     ({**OK, "top_k": -1}, "top_k", "greater than or equal to 0"),
     ({**OK, "stop": ["a", ""]}, "stop", "non-empty"),
     ({**OK, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+    ({**OK, "stop": ["\n", "a" * 257]}, "stop", "a stop string is 257 characters; each may have at most 256"),
+    ({**OK, "stop": "z" + "a" * 1_000_000}, "stop", "each may have at most 256"),  # every token rescans it
     ({**OK, "n": 0}, "n", "greater than or equal to 1"),
     ({**OK, "n": 9}, "n", "less than or equal to 8"),
     ({**OK, "n": 1.5}, "n", "integer"),
@@ -94,6 +97,43 @@ def test_bad_bodies(body, param, words):
         parse_request(body)
     assert e.value.param == param
     assert words.lower() in e.value.message.lower(), e.value.message
+
+
+CHAT = {"model": "svd-llm", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("body, chat, param", [
+    (b'{"model": "svd-llm", "prompt": "Once upon a time \\ud800"}', False, "prompt"),  # valid JSON, no valid text
+    ({**OK, "prompt": ["fine", "x \udc00 y"]}, False, "prompt"),
+    ({**OK, "stop": "\ud800"}, False, "stop"),
+    ({**OK, "stop": ["\n", "a\udfff"]}, False, "stop"),
+    ({**OK, "user": "\ud800"}, False, "user"),
+    ({**OK, "model": "svd\ud800"}, False, "model"),
+    (b'{"model": "svd-llm", "messages": [{"role": "user", "content": "hi \\udc00"}]}', True, "messages.0.content"),
+    ({**CHAT, "messages": [CHAT["messages"][0], {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                          {"type": "text", "text": "\ud83d"}]}]},
+     True, "messages.1.content"),
+    ({**CHAT, "messages": [{"role": "user", "content": "hi", "name": "\ud800"}]}, True, "messages.0.name"),
+    ({**CHAT, "stop": ["\udbff"]}, True, "stop"),
+], ids=["prompt-bytes", "prompt-list", "stop", "stop-list", "user", "model", "chat-content", "chat-part", "chat-name",
+        "chat-stop"])
+def test_lone_surrogates_are_refused(body, chat, param):
+    """JSON's "\\ud800" alone is valid JSON but no text: no tokenizer or embedder reads it (MiniLM's raised inside the
+    router's batched embedding, failing every request batched with it). Refused at the boundary, naming the field;
+    the message itself must encode as UTF-8 (it goes out in the 400's JSON body)."""
+    with pytest.raises(RequestError) as e:
+        parse_request(body, ChatRequest if chat else CompletionRequest)
+    assert e.value.param == param, e.value.message
+    assert param == "model" or "lone surrogate" in e.value.message
+    e.value.message.encode("utf-8")
+
+
+def test_surrogate_pairs_and_long_enough_stops_pass():
+    assert parse_request(b'{"model": "svd-llm", "prompt": "hi \\ud83d\\ude00"}').prompt == "hi \U0001F600"  # a pair
+    assert parse_request({**OK, "stop": ["a" * 256, "\U0001F600"]}).stop == ["a" * 256, "\U0001F600"]
+    parts = [{"type": "text", "text": "caf\u00e9 "}, {"type": "text", "text": "\U0001F600"}]
+    assert parse_request({**CHAT, "messages": [{"role": "user", "content": parts}]}, ChatRequest).messages[0].text == \
+        "caf\u00e9 \U0001F600"
 
 
 def test_family_checks():

@@ -4,7 +4,9 @@ redis-server, real HTTP and gRPC over sockets, the three families built from the
 Checks: HTTP, SSE, gRPC Generate and GenerateStream give `rankserve generate`'s greedy text; a chat request
 gives the completion of its rendered conversation; logprobs are the CLI's; a similar prompt hits
 the rank cache (visible in /metrics); the PARSE family runs its routers on a miss only, with the CLI's text for both
-the routed and the cached subset; bad input is 400 / INVALID_ARGUMENT with a message; JSON null means the default;
+the routed and the cached subset; a cached subset the PARSE worker refuses is a miss and leaves the cache; bad input
+is 400 / INVALID_ARGUMENT with a message (a lone surrogate too, failing no request sent beside it); JSON null means
+the default; /readyz says only its status without the key;
 a missing or wrong key is 401 / UNAUTHENTICATED, one valid key among the headers passes; a client that goes away
 cancels its generation; the request timeout answers 408 / DEADLINE_EXCEEDED; a full queue is refused with 503 /
 UNAVAILABLE; with Redis stopped the service still answers (and picks Redis up again); prompts sent as token ids
@@ -427,8 +429,11 @@ def test_models_and_health(service):
     wait_for(lambda: all(m["model_version"] for m in httpx.get(service.http_url + "/v1/models", headers=AUTH,
                                                                 timeout=10).json()["data"]), what="model versions")
     assert httpx.get(service.http_url + "/healthz", timeout=10).json() == {"status": "ok"}
-    ready = httpx.get(service.http_url + "/readyz", timeout=30)
+    ready = httpx.get(service.http_url + "/readyz", headers=AUTH, timeout=30)
     assert ready.status_code == 200 and ready.json()["rank_cache_redis_up"] is True
+    assert set(ready.json()["families"]) == {"svd-llm", "basis-sharing", "parse-svd-llm", "deadline"}
+    ready = httpx.get(service.http_url + "/readyz", timeout=30)  # a probe: no key, no detail
+    assert ready.status_code == 200 and ready.json() == {"status": "ok"}
 
 
 # ---- rank cache ------------------------------------------------------------------------------------------------
@@ -459,6 +464,7 @@ def test_parse_family_routes_on_a_miss_only(service, stub, redis, tmp_path):
     skip them, generating with the cached subset (the CLI's text for --subset with what Redis holds)."""
     from rankserve.proto import rankserve_pb2 as pb
     from rankserve.rank_cache import RedisStore
+    from rankserve.rank_cache.store import decode_subset
     from rankserve.workers.parse import digest
 
     family = "parse-svd-llm"
@@ -477,7 +483,7 @@ def test_parse_family_routes_on_a_miss_only(service, stub, redis, tmp_path):
     store = RedisStore(redis.url)
     try:  # the router's write-back of the worker's choice: the family's space holds this one entry
         wait_for(lambda: len(store.entries(family, version)[0]) == 1, what="the write-back to Redis")
-        (cached,) = store.entries(family, version)[2]
+        (cached,) = map(decode_subset, store.entries(family, version)[2])  # stored as bitmasks
     finally:
         store.close()
     routed = cli_generate(model_dir, prompt, N, "--parse")
@@ -500,6 +506,35 @@ def test_parse_family_routes_on_a_miss_only(service, stub, redis, tmp_path):
     assert runs() == runs0 + 2
 
 
+def test_a_cached_subset_the_worker_refuses_is_a_miss_and_leaves_the_cache(service, redis):
+    """An entry this model's routers refuse (one naming no projections, as a model of another shape would write): the
+    worker routes afresh, the router answers a miss and discards the entry, and the worker's own choice replaces it."""
+    from rankserve.rank_cache import Embedder, RedisStore
+    from rankserve.rank_cache.store import encode_subset
+
+    family = "parse-svd-llm"
+    prompt = "A small green frog sat on a lily pad in the quiet pond."
+    version = next(m["model_version"] for m in httpx.get(service.http_url + "/v1/models", headers=AUTH,
+                                                         timeout=10).json()["data"] if m["id"] == family)
+    misses = lambda: metric(service, "ray_rankserve_rank_cache_misses_total", family=family)
+    store = RedisStore(redis.url)
+    try:
+        bad, _ = store.put(family, version, Embedder().embed_one(prompt), encode_subset({"v": 1, "k": {}}), 10_000,
+                           time.time())
+        time.sleep(1.0)  # the router's tail thread adds it to its index
+        misses0 = misses()
+        body = {"model": family, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        r = post(service, body)
+        assert r.status_code == 200 and r.headers["x-rankserve-rank-cache"] == "miss", r.text
+        wait_for(lambda: bad not in store.entries(family, version)[0], what="the refused entry to leave Redis")
+        wait_for(lambda: misses() >= misses0 + 1, what="the miss to show in /metrics")
+        time.sleep(0.3)  # the write-back of the worker's own choice runs in the background
+        again = post(service, body)
+        assert again.headers["x-rankserve-rank-cache"] == "hit" and again.json()["choices"] == r.json()["choices"]
+    finally:
+        store.close()
+
+
 # ---- bad input, auth -------------------------------------------------------------------------------------------
 
 BAD = [
@@ -513,6 +548,7 @@ BAD = [
     ({"model": "svd-llm", "prompt": "hi", "top_p": 0.0}, "top_p"),
     ({"model": "svd-llm", "prompt": "hi", "top_p": 1.5}, "top_p"),
     ({"model": "gpt-4", "prompt": "hi"}, "unknown model"),
+    ({"model": "svd-llm", "prompt": "hi", "stop": ["a" * 300]}, "at most 256"),
 ]
 
 
@@ -531,6 +567,30 @@ def test_bad_input_is_400_and_invalid_argument(service, stub, body, words):
         with pytest.raises(grpc.RpcError) as e:
             call(req, metadata=GRPC_AUTH, timeout=60)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details()
+
+
+def test_a_lone_surrogate_is_400_and_fails_no_other_request(service):
+    """Valid JSON ("\\ud800") but no text: MiniLM's tokenizer raised on it inside the router's batched embedding,
+    a 500 for it and for every request embedded in the same batch. Now a 400 naming the field, the others unharmed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    json_headers = {**AUTH, "content-type": "application/json"}
+    bad = [("/v1/completions", b'{"model": "svd-llm", "prompt": "Once upon a \\ud800", "max_tokens": 4}', "prompt"),
+           ("/v1/chat/completions", b'{"model": "svd-llm", "messages": [{"role": "user", "content": "hi \\udc00"}], '
+                                    b'"max_tokens": 4}', "messages.0.content"),
+           ("/v1/completions", b'{"model": "svd-llm", "prompt": "hi", "stop": ["\\ud800"]}', "stop")]
+
+    def send(i: int) -> httpx.Response:
+        if i < len(bad):
+            return httpx.post(service.http_url + bad[i][0], content=bad[i][1], headers=json_headers, timeout=60)
+        return post(service, {"model": "svd-llm", "prompt": f"Once upon a time, a dog number {i}", "max_tokens": 4})
+
+    with ThreadPoolExecutor(8) as pool:  # sent together: their prompts are embedded in the same batches
+        answers = list(pool.map(send, range(8)))
+    for (_, _, param), r in zip(bad, answers):
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert "lone surrogate" in r.json()["error"]["message"]
+    assert [r.status_code for r in answers[len(bad):]] == [200] * (8 - len(bad))
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"[]", b'{"model": "svd-llm"}', b'{"model": "svd-llm", "prompt": 7}',

@@ -76,6 +76,37 @@ def test_prompt_longer_than_context_is_a_400():
     assert "context limit" in ev["message"]
 
 
+def test_a_prompt_the_tokenizer_cant_read_is_a_400():
+    """A lone surrogate (the router's schema refuses one; this is the guard behind it) made sentencepiece raise a
+    RuntimeError, which failed the request with a 500: now it is bad input, like an over-long prompt."""
+    w = make_worker()
+    (ev,) = asyncio.run(collect(w.stream("Once upon a time \ud800", greedy(4), cached=False, subset=None)))
+    assert ev["event"] == "error" and ev["status"] == 400 and ev["param"] == "prompt"
+    assert "lone surrogate (U+D800) at character 17" in ev["message"]
+    ev["message"].encode("utf-8")  # it goes out in a JSON body
+    assert asyncio.run(w.generate(PROMPT, greedy(2), cached=False, subset=None))["completion_tokens"] == 2
+
+
+def test_prompts_tokenize_off_the_event_loop():
+    """A 1 M-character prompt takes ~0.3 s to tokenize: on the event loop it would stall every other stream of the
+    replica meanwhile, so it runs on a thread."""
+    import threading
+
+    w = make_worker()
+    real, threads = w.engine.encode_prompt, []
+    w.engine.encode_prompt = lambda *a: threads.append(threading.get_ident()) or real(*a)
+
+    async def go():
+        loop_thread = threading.get_ident()
+        (ev,) = await collect(w.stream("word " * 200_000, greedy(4), cached=False, subset=None))
+        out = await w.generate(PROMPT, greedy(2), cached=False, subset=None)
+        return loop_thread, ev, out
+
+    loop_thread, ev, out = asyncio.run(go())
+    assert ev["status"] == 400 and "context limit" in ev["message"] and out["completion_tokens"] == 2
+    assert len(threads) >= 2 and loop_thread not in threads  # (the engine encodes again, on its own thread)
+
+
 def test_max_tokens_above_family_limit_is_a_400():
     w = make_worker(max_tokens=8)
     out = asyncio.run(w.generate(PROMPT, greedy(9), cached=False, subset=None))

@@ -60,10 +60,15 @@ class Tokenizer:
         raise FileNotFoundError(f"{d} has no tokenizer.json or tokenizer.model")
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
-        if self.backend == "tokenizers":
-            ids = self._impl.encode(text, add_special_tokens=False).ids
-        else:
-            ids = self._impl.encode(text)
+        """`text`'s ids, BOS first with `bos`; ValueError for text the backend can't read (a lone surrogate such as
+        JSON's "\\ud800" is no UTF-8), so a server answers it as bad input."""
+        try:
+            if self.backend == "tokenizers":
+                ids = self._impl.encode(text, add_special_tokens=False).ids
+            else:
+                ids = self._impl.encode(text)
+        except (TypeError, RuntimeError) as e:  # tokenizers: TypeError; sentencepiece: RuntimeError ("Unable to cast")
+            raise ValueError(_unreadable(text, e)) from e
         return ([self.bos_id] if bos and self.bos_id is not None else []) + list(ids)
 
     def token_bytes(self, i: int) -> bytes:
@@ -109,3 +114,13 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _BYTE_OF_CHAR = _byte_level_alphabet()
+
+
+def _unreadable(text: str, e: Exception) -> str:
+    """Why a tokenizer backend refused `text`, without the text itself (an error message must encode as UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as u:
+        return (f"the text holds a lone surrogate (U+{ord(text[u.start]):04X}) at character {u.start}, which UTF-8 "
+                "can't encode; send valid Unicode text")
+    return f"the tokenizer could not read the text ({type(e).__name__}: {str(e)[:200]})"
