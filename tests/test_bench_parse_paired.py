@@ -17,20 +17,10 @@ MODEL = ROOT / "models" / "stories260K"
 TEXT = ROOT / "tests" / "data" / "wikitext2-raw-test-head.txt"
 
 
-@pytest.fixture(scope="module")
-def parse_model(tmp_path_factory) -> Path:
-    from rankserve.compress.parse import TrainConfig, build_parse_checkpoint
-    calib = ROOT / "tests" / "data" / "tinyshakespeare-head.txt"
-    return build_parse_checkpoint(MODEL, tmp_path_factory.mktemp("paired") / "parse", keep=0.6, calib_text=calib,
-                                  train_text=calib, steps=2, kd_steps=0, calib_tokens=2048, calib_seq_len=128,
-                                  train=TrainConfig(windows=32, window=32, prompt_len=16, batch_size=16,
-                                                    collect_batch=16), progress=False)
-
-
-def test_totals_are_evals_and_the_differences_pair(parse_model, tmp_path):
-    r = paired(parse_model, TEXT.read_text(), MODEL, seq_len=96, prompt_len=24, max_tokens=700, batch_size=3)
+def test_totals_are_evals_and_the_differences_pair(tiny_parse, tmp_path):
+    r = paired(tiny_parse, TEXT.read_text(), MODEL, seq_len=96, prompt_len=24, max_tokens=700, batch_size=3)
     for mode in ("route", "static"):
-        ev = fidelity(parse_model, TEXT, reference_dir=MODEL, max_tokens=700, seq_len=96, prompt_len=24,
+        ev = fidelity(tiny_parse, TEXT, reference_dir=MODEL, max_tokens=700, seq_len=96, prompt_len=24,
                       parse_mode=mode, progress=False)
         assert r["tokens"] == ev["tokens"] and r[mode]["nll"] == pytest.approx(ev["nll"], rel=1e-6)
         assert r[mode]["top1_agreement"] == pytest.approx(ev["top1_agreement"])
@@ -38,7 +28,7 @@ def test_totals_are_evals_and_the_differences_pair(parse_model, tmp_path):
     assert r["windows"] == 8 and d["nll_ci95"] > 0 and d["top1_ci95"] >= 0
     assert d["windows_route_lower_nll"] + d["windows_static_lower_nll"] <= r["windows"]
     out = tmp_path / "p.json"
-    assert main([str(parse_model), "--data", str(TEXT), "--reference", str(MODEL), "--out", str(out),
+    assert main([str(tiny_parse), "--data", str(TEXT), "--reference", str(MODEL), "--out", str(out),
                  "--seq-len", "96", "--prompt-len", "24", "--max-tokens", "700"]) == 0
     saved = json.loads(out.read_text())
     assert saved["results"][0]["route"] == pytest.approx(r["route"]) and "Δ NLL" in out.with_suffix(".md").read_text()

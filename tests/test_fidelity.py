@@ -45,25 +45,15 @@ def test_bad_inputs(tmp_path):
     assert len(read_prompts(ROOT / "bench" / "prompts" / "fidelity.txt")) == 16
 
 
-@pytest.fixture(scope="module")
-def parse_model(tmp_path_factory) -> Path:
-    from rankserve.compress.parse import TrainConfig, build_parse_checkpoint
-    calib = ROOT / "tests" / "data" / "tinyshakespeare-head.txt"
-    return build_parse_checkpoint(MODEL, tmp_path_factory.mktemp("fid") / "parse", keep=0.6, calib_text=calib,
-                                  train_text=calib, steps=2, kd_steps=0, calib_tokens=2048, calib_seq_len=128,
-                                  train=TrainConfig(windows=32, window=32, prompt_len=16, batch_size=16,
-                                                    collect_batch=16), progress=False)
-
-
-def test_a_parse_checkpoint_is_scored_as_served(parse_model):
+def test_a_parse_checkpoint_is_scored_as_served(tiny_parse):
     """route (the default): each window's subset routed on its first prompt_len tokens, which are not scored;
     static: the first K components; pool: all of them. All three score the same tokens; a window by hand agrees."""
     P, L = 24, 96
-    res = {m: fidelity(parse_model, TEXT, max_tokens=500, seq_len=L, prompt_len=P, parse_mode=m, progress=False)
+    res = {m: fidelity(tiny_parse, TEXT, max_tokens=500, seq_len=L, prompt_len=P, parse_mode=m, progress=False)
            for m in ("route", "static", "pool")}
-    assert fidelity(parse_model, TEXT, max_tokens=500, seq_len=L, prompt_len=P, progress=False) == res["route"]
-    model, man = load_checkpoint(parse_model, "cpu", torch.float32)
-    routers, tok = load_parse(parse_model, model), Tokenizer.load(parse_model)
+    assert fidelity(tiny_parse, TEXT, max_tokens=500, seq_len=L, prompt_len=P, progress=False) == res["route"]
+    model, man = load_checkpoint(tiny_parse, "cpu", torch.float32)
+    routers, tok = load_parse(tiny_parse, model), Tokenizer.load(tiny_parse)
     ids = tok.encode(TEXT.read_text(), bos=True)[:500]
     for mode, r in res.items():
         nll = []
@@ -85,15 +75,15 @@ def test_a_parse_checkpoint_is_scored_as_served(parse_model):
     with pytest.raises(ValueError, match="not a PARSE checkpoint"):
         fidelity(MODEL, TEXT, max_tokens=300, seq_len=128, parse_mode="static", progress=False)
     with pytest.raises(ValueError, match="routing needs a prompt"):
-        fidelity(parse_model, TEXT, max_tokens=300, seq_len=128, prompt_len=0, progress=False)
+        fidelity(tiny_parse, TEXT, max_tokens=300, seq_len=128, prompt_len=0, progress=False)
 
 
-def test_parse_greedy_identity_routes_each_prompt(parse_model, tmp_path):
+def test_parse_greedy_identity_routes_each_prompt(tiny_parse, tmp_path):
     """With a reference, the greedy prompts are routed too: route and static give different generations on this
     checkpoint, pool (every component) is the pool model's."""
     prompts = tmp_path / "p.txt"
     prompts.write_text("Once upon a time\nThe little dog\nLily wanted to\n")
-    r = {m: fidelity(parse_model, TEXT, reference_dir=MODEL, prompts_path=prompts, max_tokens=300, seq_len=128,
+    r = {m: fidelity(tiny_parse, TEXT, reference_dir=MODEL, prompts_path=prompts, max_tokens=300, seq_len=128,
                      n_tokens=8, parse_mode=m, progress=False) for m in ("route", "static", "pool")}
     assert all(0 <= x["greedy_identity"] <= 1 and x["tokens"] == r["pool"]["tokens"] for x in r.values())
     assert r["pool"]["kl"] < r["static"]["kl"]
