@@ -7,9 +7,9 @@ CKPT is a PARSE checkpoint (`rankserve train-parse`). The text is cut into `rank
 evaluate.py: non-overlapping, the last one shifted back); in each, the first `prompt_len` tokens are the prompt and
 the rest are scored. "route" routes every window's subset on its prompt (what the service does on a cache miss),
 "static" uses the base's first K components (the static baseline at the same K); the dense reference gives top-1
-agreement. Both modes score the same tokens, so their per-window differences pair: the JSON holds the totals (equal
-to `rankserve eval --parse-mode route|static`'s), the mean per-window difference of NLL and of top-1 agreement with
-a 95 % normal interval, and how many windows each mode wins. CPU, fp32.
+agreement. Both modes score the same tokens (each is one `compare` run, as `rankserve eval --parse-mode route|static`
+runs it), so their per-window differences pair: the JSON holds the totals (equal to eval's), the mean per-window
+difference of NLL and of top-1 agreement with a 95 % normal interval, and how many windows each mode wins. CPU, fp32.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from rankserve.compress.evaluate import windows
+from rankserve.compress.evaluate import compare
+from rankserve.compress.fidelity import parse_masks
 from rankserve.workers.checkpoint import load_checkpoint
-from rankserve.workers.parse import apply, load_parse, select_batch
+from rankserve.workers.parse import load_parse
 from rankserve.workers.tokenizer import Tokenizer
 
 MODES = ("route", "static")
@@ -33,47 +33,28 @@ MODES = ("route", "static")
 
 def paired(ckpt: str | Path, text: str, reference: str | Path, seq_len: int = 256, prompt_len: int = 64,
            max_tokens: int = 0, batch_size: int = 8) -> dict:
-    """Totals per mode and the paired per-window differences (route − static); see the module doc."""
+    """Totals per mode and the paired per-window differences (route − static); see the module doc. Each mode is
+    one `compare` over eval's windows (compress/evaluate.py), its masks as `rankserve eval --parse-mode` sets them."""
     model, _ = load_checkpoint(ckpt, "cpu", torch.float32)
     ref, _ = load_checkpoint(reference, "cpu", torch.float32)
     routers = load_parse(ckpt, model)
     if routers is None:
         raise ValueError(f"{ckpt} is not a PARSE checkpoint")
-    if not 1 <= prompt_len < seq_len:
-        raise ValueError(f"prompt_len must be in [1, seq_len={seq_len}), got {prompt_len}")
-    ids = torch.tensor(Tokenizer.load(ckpt).encode(text, bos=True)[:max_tokens or None])  # (N,)
-    static = routers.static_subset()
-    rows = []  # per window: tokens scored, and per mode its NLL sum and top-1 agreements
-    wins = windows(len(ids), seq_len, seq_len)
-    with torch.inference_mode():
-        for b in range(0, len(wins), batch_size):
-            batch = wins[b:b + batch_size]
-            x = torch.stack([ids[s:e] for s, e, _ in batch])  # (B, S)
-            ref_logits = ref(x)  # (B, S, V)
-            logits = {}
-            for mode in MODES:
-                apply(model, select_batch(model, routers, x[:, :prompt_len]) if mode == "route"
-                      else [static] * len(batch))
-                logits[mode] = model(x)
-            for i, (s, e, f) in enumerate(batch):
-                lo = max(f - s, prompt_len - 1)  # as compress/evaluate.py: past the prompt and earlier windows
-                if lo >= e - s:
-                    continue
-                y = ids[s + lo + 1:e + 1]  # (T,) targets
-                top = ref_logits[i, lo:e - s].argmax(-1)  # (T,)
-                row = {"n": len(y)}
-                for mode, l in logits.items():
-                    lp = F.log_softmax(l[i, lo:e - s], dim=-1)  # (T, V)
-                    row[mode] = (float(-lp.gather(1, y[:, None]).double().sum()), int((lp.argmax(-1) == top).sum()))
-                rows.append(row)
-    n = sum(r["n"] for r in rows)
-    out: dict = {"checkpoint": str(ckpt), "windows": len(rows), "tokens": n, "seq_len": seq_len,
-                 "prompt_len": prompt_len}
+    if prompt_len < 1:
+        raise ValueError(f"routing needs a prompt: prompt_len must be at least 1, got {prompt_len}")
+    tok = Tokenizer.load(ckpt)
+    out: dict = {"checkpoint": str(ckpt), "seq_len": seq_len, "prompt_len": prompt_len}
+    rows: dict[str, list[tuple[int, float, int]]] = {}  # per mode, per window: (tokens, NLL sum, agreements)
     for mode in MODES:
-        nll = sum(r[mode][0] for r in rows) / n
-        out[mode] = {"perplexity": math.exp(nll), "nll": nll, "top1_agreement": sum(r[mode][1] for r in rows) / n}
-    d_nll = torch.tensor([(r["route"][0] - r["static"][0]) / r["n"] for r in rows], dtype=torch.float64)
-    d_top = torch.tensor([(r["route"][1] - r["static"][1]) / r["n"] for r in rows], dtype=torch.float64)
+        rows[mode] = []
+        masks, _ = parse_masks(model, routers, mode, prompt_len)
+        r = compare(model, ref, tok, text, seq_len, None, max_tokens or None, batch_size, prompt_len=prompt_len,
+                    masks=masks, per_window=rows[mode])
+        out[mode] = {"perplexity": r["perplexity"], "nll": r["nll"], "top1_agreement": r["top1_agreement"]}
+    out.update(windows=len(rows["route"]), tokens=sum(n for n, _, _ in rows["route"]))
+    pairs = list(zip(rows["route"], rows["static"], strict=True))  # the same windows, the same tokens
+    d_nll = torch.tensor([(a[1] - b[1]) / a[0] for a, b in pairs], dtype=torch.float64)
+    d_top = torch.tensor([(a[2] - b[2]) / a[0] for a, b in pairs], dtype=torch.float64)
     half = lambda t: float(1.96 * t.std() / math.sqrt(len(t))) if len(t) > 1 else float("nan")  # noqa: E731
     out["route_minus_static"] = {"nll": float(d_nll.mean()), "nll_ci95": half(d_nll),
                                  "top1": float(d_top.mean()), "top1_ci95": half(d_top),

@@ -44,7 +44,10 @@ def perplexity(model: Transformer, tokenizer: Tokenizer, text: str,
 def compare(model: Transformer, reference: Transformer, tokenizer: Tokenizer, text: str,
             seq_len: int | None = None, stride: int | None = None, max_tokens: int | None = None,
             batch_size: int = 8, progress: bool = False, prompt_len: int = 0,
-            masks: Masks | None = None) -> dict[str, float | int]:
+            masks: Masks | None = None,
+            per_window: list[tuple[int, float, int]] | None = None,  # appended: (tokens, model's NLL sum, agreements)
+            # of every scored window, in order (to pair two runs window by window)
+            ) -> dict[str, float | int]:
     """`perplexity` of both models over the same windows, plus top-1 next-token agreement (the fraction of
     scored positions where both argmaxes match) and the mean KL(reference ‖ model) per position (nats).
     `masks` sets `model`'s PARSE masks per batch of windows; the reference runs as it is.
@@ -52,7 +55,7 @@ def compare(model: Transformer, reference: Transformer, tokenizer: Tokenizer, te
     Keys: perplexity, nll, tokens, top1_agreement, kl, reference_perplexity, reference_nll.
     """
     return _score([model, reference], tokenizer, text, seq_len, stride, max_tokens, batch_size, progress,
-                  prompt_len, masks)
+                  prompt_len, masks, per_window)
 
 
 def evaluate(model_dir: str | Path, data_path: str | Path, reference_dir: str | Path | None = None,
@@ -119,7 +122,7 @@ def windows(n: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
 
 def _score(models: list[Transformer], tokenizer: Tokenizer, text: str, seq_len: int | None, stride: int | None,
            max_tokens: int | None, batch_size: int, progress: bool, prompt_len: int = 0,
-           masks: Masks | None = None) -> dict[str, float | int]:
+           masks: Masks | None = None, per_window: list | None = None) -> dict[str, float | int]:
     cfg = models[0].cfg
     seq_len = seq_len or min(2048, cfg.max_position_embeddings)
     stride = stride or seq_len
@@ -152,12 +155,15 @@ def _score(models: list[Transformer], tokenizer: Tokenizer, text: str, seq_len: 
                     continue
                 y = data[s + lo + 1:e + 1].to(dev)  # (T,) targets
                 lps = [F.log_softmax(l[i, lo:e - s], dim=-1) for l in logits]  # (T, V) fp32
-                for j, lp in enumerate(lps):
-                    nll[j] -= lp.gather(1, y[:, None]).double().sum().item()
+                sums = [-lp.gather(1, y[:, None]).double().sum().item() for lp in lps]
+                nll = [a + b for a, b in zip(nll, sums)]
                 if len(models) == 2:
                     lp, ref = lps
-                    agree += int((lp.argmax(-1) == ref.argmax(-1)).sum())
+                    agreed = int((lp.argmax(-1) == ref.argmax(-1)).sum())
+                    agree += agreed
                     kl += (ref.exp() * (ref - lp)).sum(-1).double().sum().item()
+                    if per_window is not None:
+                        per_window.append((y.numel(), sums[0], agreed))
                 count += y.numel()
                 bar.update(y.numel())
     bar.close()

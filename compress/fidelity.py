@@ -67,7 +67,7 @@ def fidelity(model_dir: str | Path, data_path: str | Path, reference_dir: str | 
     if mode == "route" and prompt_len < 1:
         raise ValueError("routing needs a prompt: the prompt length must be at least 1 (or score the static or "
                          "pool mode)")
-    masks, before = _parse_masks(model, routers, mode, prompt_len)
+    masks, before = parse_masks(model, routers, mode, prompt_len)
     out: dict[str, Any] = dict(model=str(model_dir), family=manifest.family, keep=manifest.keep,
                                method=manifest.provenance.get("method", manifest.family))
     if mode is not None:
@@ -96,7 +96,7 @@ def fidelity(model_dir: str | Path, data_path: str | Path, reference_dir: str | 
     return out
 
 
-def _parse_masks(model: Transformer, routers: Routers | None, mode: str | None, prompt_len: int):
+def parse_masks(model: Transformer, routers: Routers | None, mode: str | None, prompt_len: int):
     """(masks for a batch of windows, masks for a batch of prompts) of a PARSE mode; (None, None) to run the
     model with every component (a static model, or PARSE's "pool")."""
     if mode is None or mode == "pool":
