@@ -5,7 +5,8 @@ logprobs against a teacher-forced forward, the cost of asking for logprobs, the 
 joining a running batch against each alone, PARSE rows too; a queue of mixed lengths, static batches against
 joining), chunked prefill (the fill graph against eager chunks, a long prompt joining by chunks against it alone),
 the prefix cache (prompts sharing a start against an engine without it) and echo scoring
-(`Engine.prompt_logprobs` against the logprobs generation reported).
+(`Engine.prompt_logprobs` against the logprobs generation reported), and a PARSE pool with dense members on the rank
+slots against the eager masked pool.
 
 CI runs the kernels under TRITON_INTERPRET=1, where tl.dot takes any shape and there is no L2 prefetch: this check
 is what found head_dim 8 failing to compile on the H200 (kernels/decode_attention.py, workers/fast_decode.py).
@@ -209,6 +210,55 @@ def check_parse_joins(model_dir: Path, prompts: list[str]) -> dict:
 
 
 @torch.inference_mode()
+def check_parse_dense_members(device: str = "cuda", steps: int = 6) -> dict:
+    """A PARSE pool that keeps some projections dense (v beside routed q/k, up beside a routed gate, one o), random
+    fp32 weights: the rank slots on the fast path (Triton, graphs where `device` has them) against the eager masked
+    pool on the same device, B = 1 and 3, two loads of different subsets each (the second must be read, not the
+    first's). Largest |logit difference| relative to the eager logits' largest entry, over the prefill and steps."""
+    from rankserve.workers.config import ModelConfig
+    from rankserve.workers.fast_decode import DecodeConfig
+    from rankserve.workers.kv_cache import KVCache
+    from rankserve.workers.model import PROJS, Transformer, proj_name
+    from rankserve.workers.parse import Routers, apply, clear
+    from rankserve.workers.parse_decode import ParseSlots
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128)
+    r_max = {"q": 96, "k": 48, "v": 64, "o": 112, "gate": 160, "up": 128, "down": 144}  # uneven
+    dense = ("layers.0.attn.v", "layers.0.mlp.up", "layers.1.attn.o")
+    torch.manual_seed(0)
+    ranks = {proj_name(i, p): None if proj_name(i, p) in dense else r_max[p]
+             for i in range(cfg.num_hidden_layers) for p in PROJS}
+    pool = Transformer(cfg, ranks)
+    for w in pool.parameters():
+        w.copy_(torch.randn_like(w) * 0.05)
+    pool = pool.to(device).eval()
+    pools = {n: r for n, r in ranks.items() if r is not None}
+    routers = Routers(R={}, b={}, k={n: r // 2 for n, r in pools.items()}, r_max=pools, head={}, perm={})
+    graph = "step" if device == "cuda" else "none"
+    out: dict = {}
+    for B in (1, 3):
+        slots = ParseSlots(pool, routers, DecodeConfig(batch_size=B, max_seq_len=64, graph=graph))
+        errs = []
+        for seed in (0, 10):
+            g = torch.Generator().manual_seed(seed)
+            subsets = [{"v": 1, "k": {n: sorted(torch.randperm(pools[n], generator=g)[:k].tolist())
+                                      for n, k in routers.k.items()}} for _ in range(B)]
+            prompt = torch.randint(0, cfg.vocab_size, (B, 7), generator=g).to(device)
+            toks = [torch.randint(0, cfg.vocab_size, (B,), generator=g).to(device) for _ in range(steps)]
+            apply(pool, subsets)
+            cache = KVCache(cfg.num_hidden_layers, B, 64, cfg.num_key_value_heads, cfg.head_dim, device=device)
+            ref = [pool(prompt, cache, last_only=True)] + [pool(t[:, None], cache, last_only=True) for t in toks]
+            clear(pool)
+            slots.load(subsets)
+            got = [slots.decoder.prefill(prompt)] + [slots.decoder.step(t).clone() for t in toks]
+            errs.append(max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, ref, strict=True)))
+        out[f"B{B}"] = dict(max_rel_err_per_load=errs, one_launch=slots.decoder.step_kernel is not None,
+                            masked=slots.masked)
+    return out
+
+
+@torch.inference_mode()
 def check_chunked(model_dir: Path, prompts: list[str], chunk: int = 64, device: str = "cuda",
                   dtype: torch.dtype | None = None) -> dict:
     """Chunked prefill on the GPU: one long prompt's chunks replayed from the fill graph against the same chunks run
@@ -312,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
                                            calib_tokens=2048, calib_seq_len=128, progress=False)
         out["stories260K-parse-joins"] = check_parse_joins(parse_dir, STORY_PROMPTS)
         print("stories260K-parse-joins", json.dumps(out["stories260K-parse-joins"]), flush=True)
+        out["parse-dense-members"] = check_parse_dense_members()
+        print("parse-dense-members", json.dumps(out["parse-dense-members"]), flush=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
