@@ -41,9 +41,13 @@ def read_hf_config(src: Path) -> tuple[ModelConfig, dict]:
         raise CheckpointError(f"{src} lacks config.json (an HF model directory is expected)")
     try:
         raw = json.loads((src / "config.json").read_text())
+        if not isinstance(raw, dict):
+            raise ValueError(f"must hold a JSON object, not a {type(raw).__name__}")
         return ModelConfig.from_hf(raw), raw
     except (json.JSONDecodeError, ValueError) as e:
         raise CheckpointError(f"{src / 'config.json'}: {e}") from None
+    except TypeError as e:  # a field of the wrong type: "hidden_size": [32], "rope_scaling": 3
+        raise CheckpointError(f"{src / 'config.json'}: a field has the wrong type ({e})") from None
 
 
 def read_hf_tensors(src: Path, trust_pickle: bool = False) -> dict[str, torch.Tensor]:
@@ -85,6 +89,9 @@ def dense_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> Transform
             t = tensors[n]
             if tuple(t.shape) != tuple(p.shape):
                 raise CheckpointError(f"tensor {n} has shape {list(t.shape)}, expected {list(p.shape)}")
+            if not t.is_floating_point():  # int8 codes of a quantized export would be cast into garbage
+                raise CheckpointError(f"tensor {n} is {str(t.dtype).removeprefix('torch.')}, not a float weight "
+                                      "(a quantized checkpoint? import its float weights)")
             p.copy_(t.float())
     return model
 
@@ -104,9 +111,12 @@ def import_hf(src: str | Path, out: str | Path, trust_pickle: bool = False) -> P
         if name is not None:
             native[name] = t
             continue
-        m = re.fullmatch(r"(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)_proj\.weight", k)
-        if m and m[3] in PROJS:
+        m = re.fullmatch(r"(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)", k)
+        if m and m[3] in PROJS and m[4] == "weight":
             native[f"{proj_name(int(m[1]), m[3])}.weight"] = t
+        elif m and m[3] in PROJS and bool(t.ne(0).any()):  # dropping it would change every output
+            raise CheckpointError(f"{src}: tensor {k} is a non-zero bias; rankserve's LLaMA projections have none "
+                                  "(attention_bias / mlp_bias models are not supported)")
     if cfg.tie_word_embeddings:
         native.pop("lm_head.weight", None)
     model = dense_model(cfg, native)

@@ -416,8 +416,9 @@ def _dense(t: dict[str, torch.Tensor], key: str, out_f: int, in_f: int, hint: st
     if key not in t:
         raise CheckpointError(f"the source lacks tensor model.{key}{hint}")
     _check_no_bias(t, key)
-    if tuple(t[key].shape) != (out_f, in_f):
-        raise CheckpointError(f"tensor model.{key} has shape {list(t[key].shape)}, expected [{out_f}, {in_f}]{hint}")
+    if tuple(t[key].shape) != (out_f, in_f) or not t[key].is_floating_point():
+        raise CheckpointError(f"tensor model.{key} has shape {list(t[key].shape)} {t[key].dtype}, expected "
+                              f"[{out_f}, {in_f}] float{hint}")
     return t[key]
 
 

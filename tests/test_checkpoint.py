@@ -93,6 +93,20 @@ def test_wrong_shape_names_the_tensor(tmp_path):
         load_checkpoint(path)
 
 
+@pytest.mark.parametrize("dtype, code", [(torch.int8, "I8"), (torch.uint8, "U8"), (torch.bool, "BOOL")])
+def test_non_float_tensor_names_the_tensor(tmp_path, dtype, code):
+    """A weight stored as integers (quantization codes, say) is refused, not cast into a model that runs on garbage."""
+    from rankserve.workers.checkpoint import check_checkpoint
+
+    path = _save_dense(tmp_path)
+    sd = load_file(str(path / "model.safetensors"))
+    sd["layers.1.attn.q.weight"] = (sd["layers.1.attn.q.weight"] * 100).to(dtype)
+    save_file(sd, str(path / "model.safetensors"))
+    for check in (load_checkpoint, check_checkpoint):
+        with pytest.raises(CheckpointError, match=rf"layers\.1\.attn\.q\.weight has dtype {code}, expected a float"):
+            check(path)
+
+
 def test_missing_tensor_and_rank_too_large(tmp_path):
     path = _save_dense(tmp_path)
     sd = load_file(str(path / "model.safetensors"))
@@ -125,6 +139,22 @@ def test_bad_group(tmp_path):
         load_checkpoint(path)
 
 
+def test_group_names_one_basis_apart(tmp_path):
+    """Group names equal up to '.' vs '_' would name one basis Parameter: refused, not loaded with one group's V
+    left uninitialized; an empty name too."""
+    q = [proj_name(i, "q") for i in range(4)]
+    path = save_checkpoint(tmp_path / "g", _random_model(_ranks(), {"q.0-1": q[:2], "q.2-3": q[2:]}),
+                           Manifest(family="x", ranks={}))
+    man = json.loads((path / "rankserve.json").read_text())
+    sd = load_file(str(path / "model.safetensors"))
+    for name, match in [("q_0-1", r"group names 'q\.0-1' and 'q_0-1' collide"), ("", "a group with an empty name")]:
+        (path / "rankserve.json").write_text(json.dumps({**man, "groups": {"q.0-1": q[:2], name: q[2:]}}))
+        save_file({**{k: v for k, v in sd.items() if k != "bases.q.2-3.V"}, f"bases.{name}.V": sd["bases.q.2-3.V"]},
+                  str(path / "model.safetensors"))
+        with pytest.raises(CheckpointError, match=match):
+            load_checkpoint(path)
+
+
 def test_atomic_write_leaves_nothing_on_failure(tmp_path):
     m = _random_model()
 
@@ -141,6 +171,25 @@ def test_atomic_write_leaves_nothing_on_failure(tmp_path):
     save_checkpoint(tmp_path / "out", m, Manifest(family="x", ranks={}))
     with pytest.raises(CheckpointError, match="already exists"):
         save_checkpoint(tmp_path / "out", m, Manifest(family="x", ranks={}))
+
+
+def test_save_flushes_every_file_before_the_rename(tmp_path, monkeypatch):
+    """After a crash (power loss) the renamed directory must not name files whose data never reached the disk."""
+    import os
+
+    events = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(b))), replace(a, b))[1])
+    out = save_checkpoint(tmp_path / "out", _random_model(), Manifest(family="x", ranks={}),
+                          extra_files={"tokenizer.model": b"\x00sp"})
+    renamed = events.index(("replace", str(out)))
+    flushed = {Path(p).name for op, p in events[:renamed] if op == "fsync"}
+    assert {n for n in flushed if not n.startswith(".out.tmp-")} == {"config.json", "rankserve.json",
+                                                                   "model.safetensors", "tokenizer.model"}
+    assert len(flushed) == 5  # and the temp dir's entries
+    assert ("fsync", str(tmp_path)) in events[renamed:]  # the rename itself
 
 
 def test_bf16_load(tmp_path):

@@ -648,3 +648,50 @@ def test_kernels_wrapped_function_loads_as_an_inert_stub():
     bad = b"\x80\x02ckernels._internals.layer.layer\n_rebuild_kernel_func\nK\x01K\x02\x86R."
     with pytest.raises(pickle.UnpicklingError):
         _restricted_load(io.BytesIO(bad))
+
+
+def test_biases_and_integer_weights_are_refused_not_dropped(tmp_path):
+    """A dense HF dir with non-zero projection biases, or int8 weights (a quantized export), and a low-rank source with
+    an int8 dense projection fail with a line naming the tensor instead of importing into a model with other logits;
+    all-zero biases change nothing and import."""
+    from rankserve.compress.import_dense import import_hf
+
+    cfg, kw = _cfg("mha")
+    hf = LlamaForCausalLM(LlamaConfig(**kw, attention_bias=True, mlp_bias=True))
+    sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+
+    def write(name: str, edit) -> Path:
+        src = tmp_path / name
+        src.mkdir()
+        (src / "config.json").write_text(json.dumps(kw))
+        tensors = dict(sd)
+        edit(tensors)
+        save_file(tensors, str(src / "model.safetensors"))
+        return src
+
+    biased = write("biased", lambda t: t.update({"model.layers.1.mlp.down_proj.bias": torch.randn(cfg.hidden_size)}))
+    _assert_refused(lambda: import_hf(biased, tmp_path / "out"), tmp_path, "model.layers.1.mlp.down_proj.bias",
+                    "non-zero bias")
+    int8 = write("int8", lambda t: t.update({k: v.round().to(torch.int8) for k, v in t.items()
+                                             if k.endswith("q_proj.weight")}))
+    _assert_refused(lambda: import_hf(int8, tmp_path / "out"), tmp_path, "layers.0.attn.q.weight is int8")
+    lowrank = _hf_common(_common(cfg, seed=14))  # svd-llm factors, one projection left dense, in int8
+    for n, (U, V) in _factors(cfg, seed=14).items():
+        i, p = int(n.split(".")[1]), n.rsplit(".", 1)[1]
+        lowrank[f"model.layers.{i}.{HF_BLOCK[p]}.{p}_u_proj.weight"] = U
+        lowrank[f"model.layers.{i}.{HF_BLOCK[p]}.{p}_v_proj.weight"] = V
+    del lowrank["model.layers.0.self_attn.o_u_proj.weight"], lowrank["model.layers.0.self_attn.o_v_proj.weight"]
+    lowrank["model.layers.0.self_attn.o_proj.weight"] = torch.ones(cfg.hidden_size, cfg.q_dim, dtype=torch.int8)
+    torch.save(lowrank, tmp_path / "lowrank.pt")
+    _assert_refused(lambda: import_svdllm(tmp_path / "lowrank.pt", tmp_path / "out", config=kw), tmp_path,
+                    "model.layers.0.self_attn.o_proj.weight", "torch.int8")
+    zero = write("zero", lambda t: t.update({k: torch.zeros_like(v) for k, v in t.items() if k.endswith(".bias")}))
+    out = import_hf(zero, tmp_path / "out")
+    model, _ = load_checkpoint(out)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for k, v in hf.named_parameters():
+            if k.endswith(".bias"):
+                v.zero_()
+        ref = hf(tokens).logits
+        assert ((model(tokens) - ref).abs().max() / ref.abs().max()).item() <= 1e-5

@@ -36,6 +36,8 @@ FORMAT_VERSION = 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.bin", "generation_config.json", "chat_template.jinja")
 NON_TENSOR_FILES = ("LICENSE", "LICENSE.txt", "README.md", "NOTICE")
+# safetensors dtype codes a weight may be stored in; anything else (I8, U8, BOOL, ...) is not a float weight
+FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 class CheckpointError(ValueError):
@@ -172,6 +174,8 @@ def save_checkpoint(out_dir: str | Path, model: Transformer, manifest: Manifest,
         os.chmod(tmp, 0o755)  # private while written; a checkpoint is an ordinary readable directory
         for f in tmp.iterdir():
             os.chmod(f, 0o644)
+            _fsync(f)  # on the disk before the rename: after a crash the name must not outlive the data
+        _fsync(tmp)
         if out_dir.exists():  # overwrite: swap the old one out only once the new one is complete
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
             os.replace(out_dir, old / "x")
@@ -179,6 +183,7 @@ def save_checkpoint(out_dir: str | Path, model: Transformer, manifest: Manifest,
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, out_dir)
+        _fsync(out_dir.parent)  # the rename itself
     except (OSError, SafetensorError) as e:  # disk full, a file where a directory goes, ...
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"cannot write {out_dir}: {e}") from None
@@ -186,6 +191,15 @@ def save_checkpoint(out_dir: str | Path, model: Transformer, manifest: Manifest,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 STALE_TMP_S = 3600  # a temp dir untouched this long is a killed writer's (a save writes its files in seconds)
@@ -221,16 +235,24 @@ def read_config(path: str | Path) -> tuple[ModelConfig, Manifest]:
     return cfg, manifest
 
 
-def _validate(cfg: ModelConfig, manifest: Manifest, shapes_on_disk: dict[str, tuple[int, ...]]) -> None:
+def _validate(cfg: ModelConfig, manifest: Manifest, shapes_on_disk: dict[str, tuple[int, ...]],
+              dtypes_on_disk: dict[str, str]) -> None:
     shapes = cfg.linear_shapes()
     expected: dict[str, tuple[int, ...]] = {
         "embed.weight": (cfg.vocab_size, cfg.hidden_size), "norm.weight": (cfg.hidden_size,)}
     if not cfg.tie_word_embeddings:
         expected["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
     grouped: dict[str, str] = {}
+    keys: dict[str, str] = {}  # the model holds a basis under its name with '.' read as '_' (_group_key)
     for g, members in manifest.groups.items():
         if not members:
             raise CheckpointError(f"group {g!r} has no members")
+        if not g:
+            raise CheckpointError("rankserve.json has a group with an empty name")
+        if _group_key(g) in keys:
+            raise CheckpointError(f"group names {keys[_group_key(g)]!r} and {g!r} collide ('.' and '_' count as one "
+                                  "character in a basis name); rename one")
+        keys[_group_key(g)] = g
         projs = {m.rsplit(".", 1)[-1] for m in members}
         if len(projs) != 1:
             raise CheckpointError(f"group {g!r} mixes projection types {sorted(projs)}; members must share an input size")
@@ -274,6 +296,9 @@ def _validate(cfg: ModelConfig, manifest: Manifest, shapes_on_disk: dict[str, tu
             raise CheckpointError(f"model.safetensors lacks tensor {name} (expected shape {list(shape)})")
         if tuple(shapes_on_disk[name]) != tuple(shape):
             raise CheckpointError(f"tensor {name} has shape {list(shapes_on_disk[name])}, expected {list(shape)}")
+        if dtypes_on_disk[name] not in FLOAT_DTYPES:  # a load would cast it silently (int8 codes, say) into garbage
+            raise CheckpointError(f"tensor {name} has dtype {dtypes_on_disk[name]}, expected a float dtype "
+                                  f"({', '.join(FLOAT_DTYPES)})")
     extra = set(shapes_on_disk) - set(expected)
     extra = {e for e in extra if not e.startswith("methods.")}  # method state (PARSE routers, ...) is checked by its owner
     if extra:
@@ -292,7 +317,8 @@ def check_checkpoint(path: str | Path) -> tuple[ModelConfig, Manifest]:
     path = Path(path)
     cfg, manifest = read_config(path)
     with _open_weights(path) as f:
-        _validate(cfg, manifest, {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()})
+        _validate(cfg, manifest, {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()},
+                  {n: f.get_slice(n).get_dtype() for n in f.keys()})
     return cfg, manifest
 
 
@@ -304,10 +330,9 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
     with _open_weights(path) as f:
         names = list(f.keys())
         shapes = {n: tuple(f.get_slice(n).get_shape()) for n in names}
-        _validate(cfg, manifest, shapes)
-        stored = f.get_slice("embed.weight").get_dtype()
-        store_dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(stored, torch.float32)
-        dtype = dtype or store_dtype
+        _validate(cfg, manifest, shapes, {n: f.get_slice(n).get_dtype() for n in names})
+        stored = FLOAT_DTYPES[f.get_slice("embed.weight").get_dtype()]
+        dtype = dtype or (torch.float32 if stored == torch.float64 else stored)
         model = Transformer(cfg, manifest.ranks, manifest.groups, device=device, dtype=dtype)  # torch.empty: no init cost
         params = dict(model.named_parameters())
         with torch.no_grad():
