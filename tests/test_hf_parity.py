@@ -98,3 +98,12 @@ def test_padded_batch_prefill_matches_unpadded():
         step = ours(nxt, cache, last_only=True)
         assert _rel(step[1], ours(torch.cat([b, nxt[1:]], 1))[0, -1]) <= 1e-5
         assert _rel(step[0], ours(torch.cat([a, nxt[:1]], 1))[0, -1]) <= 1e-5
+
+
+def test_an_activation_other_than_silu_is_refused():
+    """The runtime's MLP is SiLU-gated: a gelu config must not import as a silently different model."""
+    d = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                    hidden_act="gelu").to_dict()
+    with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
+        ModelConfig.from_hf(d)
+    assert ModelConfig.from_hf({**d, "hidden_act": "silu"}).hidden_size == 16

@@ -88,6 +88,9 @@ class ModelConfig:
                                "num_attention_heads") if k not in d]
         if missing:
             raise ValueError(f"config.json lacks required LLaMA fields: {', '.join(missing)}")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":  # the runtime's MLP is SiLU-gated: another activation would run as SiLU, silently wrong
+            raise ValueError(f"hidden_act {act!r} is not supported (rankserve's LLaMA MLP uses silu)")
         rope_theta = d.get("rope_theta")
         scaling = d.get("rope_scaling")
         params = d.get("rope_parameters")
