@@ -51,11 +51,13 @@ def read_hf_config(src: Path) -> tuple[ModelConfig, dict]:
 
 
 def read_hf_tensors(src: Path, trust_pickle: bool = False) -> dict[str, torch.Tensor]:
-    """All tensors of an HF directory: model.safetensors, sharded safetensors, or pytorch_model*.bin."""
+    """All tensors of an HF directory: model.safetensors, sharded safetensors, or pytorch_model*.bin. Where an index
+    (model.safetensors.index.json, pytorch_model.bin.index.json) names the shards, only those are read: a repository
+    may also ship the same weights in another layout (Mistral's consolidated.safetensors)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    files = sorted(src.glob("*.safetensors"))
+    files = _indexed_shards(src, "model.safetensors.index.json") or sorted(src.glob("*.safetensors"))
     if files:
         out: dict[str, torch.Tensor] = {}
         for f in files:
@@ -64,7 +66,7 @@ def read_hf_tensors(src: Path, trust_pickle: bool = False) -> dict[str, torch.Te
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from None
         return out
-    bins = sorted(src.glob("pytorch_model*.bin"))
+    bins = _indexed_shards(src, "pytorch_model.bin.index.json") or sorted(src.glob("pytorch_model*.bin"))
     if not bins:
         raise CheckpointError(f"{src} holds no *.safetensors or pytorch_model*.bin weights")
     out = {}
@@ -74,6 +76,22 @@ def read_hf_tensors(src: Path, trust_pickle: bool = False) -> dict[str, torch.Te
             raise CheckpointError(f"{f} is not a state dict")
         out.update({k: v for k, v in sd.items() if isinstance(v, torch.Tensor)})
     return out
+
+
+def _indexed_shards(src: Path, index: str) -> list[Path]:
+    """The shard files an HF index names (its weight_map's values), each checked to exist; [] without an index."""
+    if not (src / index).is_file():
+        return []
+    try:
+        weight_map = json.loads((src / index).read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{src / index} is not a shard index (a weight_map of tensor -> file): {e}") from None
+    shards = [src / n for n in names]
+    for f in shards:
+        if f.parent != src or not f.is_file():
+            raise CheckpointError(f"{src / index} names {f.name}, which is not a file in {src}")
+    return shards
 
 
 def dense_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> Transformer:

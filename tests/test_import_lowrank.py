@@ -695,3 +695,27 @@ def test_biases_and_integer_weights_are_refused_not_dropped(tmp_path):
                 v.zero_()
         ref = hf(tokens).logits
         assert ((model(tokens) - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+
+
+def test_hf_dir_reads_only_the_shards_its_index_names(tmp_path):
+    """A repository with a shard index may also ship the weights in another layout (a consolidated file): only the
+    indexed shards are read. An index naming a missing shard, or not an index, is a one-line error."""
+    from rankserve.compress.import_dense import read_hf_tensors
+
+    src = tmp_path / "src"
+    src.mkdir()
+    a, b = {"x.weight": torch.ones(2)}, {"y.weight": torch.zeros(3)}
+    save_file(a, str(src / "model-00001-of-00002.safetensors"))
+    save_file(b, str(src / "model-00002-of-00002.safetensors"))
+    save_file({"consolidated.x": torch.ones(4)}, str(src / "consolidated.safetensors"))
+    index = {"metadata": {}, "weight_map": {"x.weight": "model-00001-of-00002.safetensors",
+                                            "y.weight": "model-00002-of-00002.safetensors"}}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert sorted(read_hf_tensors(src)) == ["x.weight", "y.weight"]
+    index["weight_map"]["z.weight"] = "model-00003-of-00002.safetensors"
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="names model-00003-of-00002.safetensors, which is not a file"):
+        read_hf_tensors(src)
+    (src / "model.safetensors.index.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="is not a shard index"):
+        read_hf_tensors(src)
