@@ -126,6 +126,21 @@ def test_choices_of_a_long_prompt_fill_once(fast_path):
     assert stream._batch.prefills == 2  # "The dog", then the long prompt once for both choices
 
 
+def test_a_slot_waiting_to_fill_stays_inside_the_cache():
+    """On the fast path every slot steps, a filling row's too: one that waits for other prompts' chunks for longer
+    than the cache is long must not step past its end (it crashed: `index 64 is out of bounds`)."""
+    eng = Engine.load(BUNDLED, fast_path="torch", max_seq_len=64, prefill_chunk=1)  # one token a step
+    sp, busy = SamplingParams(max_new_tokens=8, ignore_eos=True), SamplingParams(max_new_tokens=60, ignore_eos=True)
+    longs = [LONG, "The dog ran to the park and saw a big red ball. He wanted to play with it all day",
+             "Tom and Sue went to the beach. They built a big sand castle and swam in the sea"]
+    assert sum(len(eng.encode_prompt(p)) for p in longs[:2]) > 60  # the last waits about as long as the cache is
+    # rows decoding all along: "The dog", then one from BOS alone (one token: no chunks)
+    reqs = [("The dog", busy, 0), *[(p, sp, 1) for p in longs], ([1], busy, 30)]
+    alone = [eng.generate(p, s).token_ids for p, s, _ in reqs]
+    got, _ = _run(eng, reqs)
+    assert got == alone
+
+
 def test_a_row_stopped_while_it_fills_frees_its_slot():
     eng = Engine.load(BUNDLED, max_batch_size=2, prefill_chunk=8)
     sp = SamplingParams(max_new_tokens=12, ignore_eos=True)

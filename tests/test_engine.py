@@ -114,6 +114,13 @@ def test_stop_string_cuts_text(engine):
     assert r.finish_reason == "stop" and r.text == "Once upon a time, there was a little girl named "
 
 
+def test_one_stop_string_is_not_split_into_characters(engine):
+    """stop="Lily" (a string, as OpenAI's `stop` may be) is one stop string, not the stops "L", "i", "l", "y"."""
+    assert SamplingParams(stop="Lily").stop == ("Lily",)
+    r = engine.generate("", SamplingParams(max_new_tokens=40, stop="Lily"))
+    assert r.finish_reason == "stop" and r.text == "Once upon a time, there was a little girl named "
+
+
 def test_stop_token(engine):
     first = engine.generate("", SamplingParams(max_new_tokens=5)).token_ids
     r = engine.generate("", SamplingParams(max_new_tokens=5, stop_token_ids=(first[2],)))
@@ -215,13 +222,32 @@ def test_empty_prompt_without_bos_is_refused():
         e.generate("", SamplingParams(max_new_tokens=3))
 
 
+def test_empty_ids_prompt_is_refused_for_what_it_is(engine):
+    """An empty list of ids is refused as such, not blamed on a tokenizer without BOS (this one has one)."""
+    assert engine.tokenizer.bos_id is not None
+    with pytest.raises(ValueError, match="the prompt has no token ids"):
+        engine.generate([], SamplingParams(max_new_tokens=3))
+
+
 def test_bad_params_and_long_prompt(engine):
     for kw in (dict(max_new_tokens=0), dict(temperature=-1), dict(temperature=1e-40), dict(top_p=0), dict(top_p=1.5),
                dict(top_k=-1)):
         with pytest.raises(ValueError):
             SamplingParams(**kw)
+    with pytest.raises(ValueError, match="temperature must be 0 .greedy. or finite"):  # inf sampled uniformly
+        SamplingParams(temperature=float("inf"))
+    for seed in (2**63, -2**63 - 1, 2**70):  # torch's own error said only "Overflow when unpacking long long"
+        with pytest.raises(ValueError, match=r"seed must be in \[-9223372036854775808, 9223372036854775807\]"):
+            SamplingParams(temperature=1.0, seed=seed)
+    lo, hi = SamplingParams(seed=-2**63).generator(), SamplingParams(seed=2**63 - 1).generator()
+    assert lo.initial_seed() != hi.initial_seed()  # the range's ends are two generator states
     with pytest.raises(ValueError, match="context limit"):
         engine.generate("Once upon a time " * 200)
+    # a prompt of exactly the context: the message says why it does not fit ("512 tokens; the limit is 512" did not)
+    with pytest.raises(ValueError, match="is 512 tokens; the context limit is 512 tokens for the prompt and its first "
+                                         "generated token: shorten it by 1"):
+        engine.generate([1] * 512)
+    assert len(engine.prompt_logprobs([1] * 512)) == 511  # scoring alone needs no room
 
 
 def test_text_keeps_the_leading_space(engine):
@@ -457,6 +483,30 @@ def test_a_row_stopped_before_it_joins_never_runs(engine):
     assert all(late not in e for e in events) and [sorted(e) for e in events] == [[0]] * 3
     assert stream._batch.B == 1  # it never took a place
     assert list(stream) == []
+
+
+@pytest.mark.parametrize("fast_path", ["off", "torch"])
+def test_streams_read_in_turn_keep_their_own_caches(fast_path):
+    """Two streams of one engine open at once, read in turn: each gets its own request's tokens (the fast path's
+    decoders and the fill cache of a prompt going in by chunks are the engine's: the second stream ran in the first
+    one's KV cache). The engine's own caches go back to the next stream once the first is closed."""
+    eng = Engine.load(BUNDLED, fast_path=fast_path, prefill_chunk=8)
+    sp = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    prompts = ["The dog", "Tom and Sue", "Once upon a time there was a little girl named Lily. She loved to play",
+               "The dog ran to the park and saw a big red ball. He wanted to play with it"]
+    alone = [eng.generate(p, sp).token_ids for p in prompts]
+    pair = [eng.stream(p, sp) for p in prompts[:2]]
+    assert [[a.token_id, b.token_id] for a, b in zip(*pair)] == [list(t) for t in zip(*alone[:2])]
+    a, b = eng.stream_batch(["Tom"], [sp]), eng.stream_batch(["Sue"], [sp])  # long prompts join both, by chunks in a
+    next(a), next(b)
+    got = {(a, a.add(prompts[2], sp)): [], (b, b.add(prompts[3], sp)): []}
+    while any(s.rows for s in (a, b)):
+        for s in (a, b):
+            for i, ev in next(s, {}).items():
+                got.get((s, i), []).append(ev.token_id)
+    assert list(got.values()) == alone[2:] and a._batch.chunks > 0
+    a.close(), b.close()
+    assert eng.stream_batch(["Tom"], [sp])._batch.owns
 
 
 @pytest.mark.parametrize("fast_path", ["off", "torch"])

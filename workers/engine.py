@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -251,6 +252,7 @@ class Engine:
         self._slot_pool: tuple | None = None  # and their graphs' shared memory pool
         self.prefill_chunk = prefill_chunk
         self._chunks: ChunkedPrefill | None = None  # long prompts joining a decoding batch, a chunk a step
+        self._holder: weakref.ref[_Batch] | None = None  # the open batch using the decoders and `_chunks` (_Batch)
         if prefix_cache_bytes is None:
             prefix_cache_bytes = int(0.05 * torch.cuda.get_device_properties(self.device).total_memory) \
                 if self.device.type == "cuda" else 256 * 2**20
@@ -289,10 +291,14 @@ class Engine:
             ids = self.tokenizer.encode(prompt, bos=True)
         else:
             ids = self.check_ids(prompt)
-        if not ids:
+        if not ids and isinstance(prompt, str):
             raise ValueError("the prompt is empty and this tokenizer adds no BOS token: give at least one token")
+        if not ids:
+            raise ValueError("the prompt has no token ids (none is added to ids): give at least one, e.g. BOS")
         if len(ids) + room > self.max_seq_len:
-            raise ValueError(f"prompt is {len(ids)} tokens; the context limit is {self.max_seq_len} tokens")
+            raise ValueError(f"prompt is {len(ids)} tokens; the context limit is {self.max_seq_len} tokens" +
+                             (" for the prompt and its first generated token" if room else "") +
+                             f": shorten it by {len(ids) + room - self.max_seq_len}")
         return ids
 
     def check_ids(self, ids: list[int]) -> list[int]:
@@ -576,11 +582,12 @@ class _Batch:
     A slot with no row steps along on the fast path (static shapes) and its writes are never read; its position
     is reset before it could run past the cache. PARSE rows keep their own subsets: the slots are reloaded with
     the new arrangement's union when rows join or move (no recapture), the eager path's masks re-applied.
+    The engine's decoders and fill cache serve one open batch at a time (`_hold`); another runs eagerly meanwhile.
     """
 
     def __init__(self, engine: Engine) -> None:
         self.e = engine
-        self.fast = not (engine.routers is not None and engine.reroute_every)  # re-routing changes masks: eager
+        self.owns, self.fast = False, False  # holds the engine's decoders and fill cache; decodes on the fast path
         self.slots: list[_Row | None] = []  # slot -> its row
         self.B, self.S = 0, 0  # the layout in use: batch-size bucket, cache length
         self.dec: FastDecoder | None = None  # fast path
@@ -594,6 +601,7 @@ class _Batch:
         self.prefills = 0  # prompts run (a twin's copied cache not counted)
         self.chunks = 0  # chunks of long prompts run (tests, benchmarks)
         self.picking: list[_Row] = []  # rows whose greedy pick of the last decode step is still on the device
+        self._hold()
 
     def add(self, row: _Row, subset: dict | None) -> None:
         """Queue `row` (its subset validated) to join at the next step."""
@@ -625,14 +633,18 @@ class _Batch:
         joining = [r for r in self.joining if r.finish is None]
         self.joining = []
         if not running and not joining and not self.filling and not ready:
+            self._let_go()
             return []
+        if not self.owns and all(r is None for r in self.slots) and not self.filling:
+            self._hold()
         chunk = e.prefill_chunk
         busy = bool(running or self.filling or ready)  # rows that would wait for a long prompt's whole prefill
-        if e.prefix is not None:
+        if e.prefix is not None and self.owns:  # a hit fills through the fill cache
             for r in joining:
                 p, k, v = e.prefix.match(r.prompt_ids)
                 r.prefix = (p, k, v) if p else None
-        long = [r for r in joining if r.prefix is not None or (busy and chunk and len(r.prompt_ids) > chunk)]
+        long = [r for r in joining if r.prefix is not None or
+                (self.owns and busy and chunk and len(r.prompt_ids) > chunk)]
         whole = [r for r in joining if all(r is not l for l in long)]
         self._arrange(running + self.filling + ready, joining)
         if self.masks is not None:  # eager PARSE: a prompt scored or routed between steps used the model's masks
@@ -672,6 +684,26 @@ class _Batch:
     def close(self) -> None:
         if self.e.routers is not None and self.dec is None:
             clear(self.e.model)
+        self._let_go()
+
+    # --- the engine's decoders and fill cache ---
+    def _hold(self) -> None:
+        """Take the engine's decoders (their KV caches) and chunked prefill's fill cache, which keep one batch's rows
+        across steps, unless another open batch holds them (two streams read in turn): this one then runs eagerly,
+        whole prompts (no prefix cache hits: they go through the fill cache), in a KV cache of its own. Called with
+        no rows in slots; the next rows start a fresh layout (the decoders may have served another batch)."""
+        holder = self.e._holder() if self.e._holder is not None else None
+        self.owns = holder is None or holder is self
+        if self.owns:
+            self.e._holder = weakref.ref(self)
+        self.fast = self.owns and not (self.e.routers is not None and self.e.reroute_every)  # re-routing: eager
+        self.slots, self.B, self.S, self.dec, self.cache, self.lens = [], 0, 0, None, None, []
+
+    def _let_go(self) -> None:
+        """No rows left (or closed): the decoders and fill cache go to whichever batch takes rows next."""
+        if self.owns and self.e._holder is not None and self.e._holder() is self:
+            self.e._holder = None
+        self.owns = False
 
     # --- layout ---
     def _arrange(self, running: list[_Row], joining: list[_Row]) -> None:
@@ -743,8 +775,10 @@ class _Batch:
         for r in running:
             nxt[r.slot] = r.fed
         if self.dec is not None:
-            idle = [s for s, r in enumerate(self.slots) if r is None and self.lens[s] >= self.S - 1]
-            self._reset(idle)  # every slot steps: keep the idle ones inside the cache
+            # every slot steps: keep those with no row, or a row still filling (placed later), inside the cache
+            idle = [s for s, r in enumerate(self.slots)
+                    if (r is None or r.filled < len(r.prompt_ids)) and self.lens[s] >= self.S - 1]
+            self._reset(idle)
             logits = self.dec.step(nxt)  # host tokens: one queued copy into the step's input; (B, V) a static buffer
             self.lens = [l + 1 for l in self.lens]
             if self.dec.dcfg.greedy and any(r.params.temperature == 0 for r in running):
