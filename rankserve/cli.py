@@ -191,14 +191,19 @@ def compress_cmd(
         _fail(f"--keep must be in (0, 1], got {keep}")
     if calib is None and method != "svd":
         _fail(f"--method {method} whitens with calibration statistics: pass --calib TEXT (a text file)")
+    if calib_tokens < 1:
+        _fail(f"--calib-tokens must be positive, got {calib_tokens}")
 
     def body():
         from rankserve.compress.factorize import compress_model
         from rankserve.workers.checkpoint import check_out_dir, read_config
 
         check_out_dir(out)  # before the calibration and factorization
-        path = compress_model(model, out, method=method, keep=keep, calib_text=calib, calib_tokens=calib_tokens,
-                              group_size=group_size, device=_device(device), progress=not as_json)
+        try:
+            path = compress_model(model, out, method=method, keep=keep, calib_text=calib, calib_tokens=calib_tokens,
+                                  group_size=group_size, device=_device(device), progress=not as_json)
+        except ValueError as e:  # calibration's messages name its argument: say the flag
+            raise ValueError(re.sub(r"\bmax_tokens\b", "--calib-tokens", str(e))) from None
         _, man = read_config(path)
         _emit(as_json, {"out": str(path), "method": method, "keep_requested": keep, "keep": man.keep},
               f"compressed {model} with {method} -> {path}  keep requested {keep}, achieved {man.keep:.4f}")
@@ -296,7 +301,7 @@ def generate_cmd(
                                     seed=seed, stop=tuple(stop), logprobs=logprobs)
         except ValueError as e:  # its messages name the fields: say the flags
             msg = str(e)
-            for field in ("max_new_tokens", "temperature", "top_p", "top_k", "logprobs", "stop"):
+            for field in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "stop"):
                 msg = re.sub(rf"\b{field}\b", "--" + field.replace("_", "-"), msg)
             raise ValueError(msg) from None
         if subset_out is not None:

@@ -83,6 +83,10 @@ def test_bad_inputs(tmp_path):
     assert_clean_error(rankserve("compress", "--method", "basis-sharing", BUNDLED, tmp_path / "o"),
                        "--method basis-sharing whitens with calibration statistics: pass --calib TEXT")
     assert_clean_error(rankserve("import", "--family", "nope", BUNDLED, tmp_path / "o"), "unknown family")
+    for n, msg in [("0", "--calib-tokens must be positive, got 0"),  # before the model loads
+                   ("100", "--calib-tokens=100 is below 172, the widest projection input")]:
+        assert_clean_error(rankserve("compress", "--method", "svd-llm", "--calib", CALIB, "--calib-tokens", n, BUNDLED,
+                                     tmp_path / "o"), msg)
     assert not (tmp_path / "o").exists()
 
 
@@ -142,6 +146,22 @@ def test_unreadable_weights_are_not_called_pickles_needing_code(tmp_path):
     (src / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
     assert_clean_error(rankserve("import", "--family", "hf", src, tmp_path / "out"), "is not a readable safetensors file")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good.bin", "src"]
+
+
+def test_malformed_hf_config_is_a_one_line_error(tmp_path):
+    """A source config.json with a field of the wrong type, or no object at all: one line naming the file."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "remapping_weight.pt").write_bytes(b"")  # a Dobi-SVD remapping dir: its config is read first
+    good = json.loads((BUNDLED / "config.json").read_text())
+    for config, msg, families in [({**good, "hidden_size": [64]}, "a field has the wrong type", ["hf"]),
+                                  ({**good, "rope_scaling": 3}, "a field has the wrong type", ["basis-sharing"]),
+                                  (7, "must hold a JSON object, not a int", ["hf", "dobi-svd"])]:
+        (src / "config.json").write_text(json.dumps(config))
+        for family in families:
+            assert_clean_error(rankserve("import", "--family", family, src, tmp_path / "out"),
+                               f"{src / 'config.json'}: {msg}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
 # ---- PARSE ---------------------------------------------------------------------------------------------------
@@ -409,7 +429,9 @@ def test_eval_arguments_and_nan_perplexity(tmp_path):
 
 def test_sampling_errors_name_the_flags():
     for flags, msg in [(["--max-new-tokens", "0"], "--max-new-tokens must be positive"),
-                       (["--top-p", "0"], "--top-p must be in (0, 1]"), (["--top-k", "-1"], "--top-k must be >= 0")]:
+                       (["--top-p", "0"], "--top-p must be in (0, 1]"), (["--top-k", "-1"], "--top-k must be >= 0"),
+                       (["--temperature", "inf"], "--temperature must be 0 (greedy) or finite"),
+                       (["--temperature", "1", "--seed", str(2**64)], "--seed must be in [-9223372036854775808, ")]:
         assert_clean_error(rankserve("generate", BUNDLED, *flags), msg)
 
 

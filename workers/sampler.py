@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +10,7 @@ import torch
 
 MIN_TEMPERATURE = 1e-5  # below it logits / T overflow towards inf for no purpose: such requests mean greedy (0)
 MAX_LOGPROBS = 20  # most likely alternatives reported per token (OpenAI's chat limit)
+SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # int64, as the HTTP and gRPC seed: one generator state per seed
 
 
 @dataclass
@@ -18,22 +20,25 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass kept; 1 = off
     top_k: int = 0  # 0 = off
     seed: int | None = None  # None = nondeterministic
-    stop: tuple[str, ...] = ()  # stop strings; the text is cut before the first one
+    stop: tuple[str, ...] = ()  # stop strings (or one string); the text is cut before the first one
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; n = each token's log-probability and the n most likely at its step
 
     def __post_init__(self) -> None:
-        self.stop = tuple(self.stop)
+        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)  # not one stop per character
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
-        if not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):
-            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {self.temperature}")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be 0 (greedy) or finite and >= {MIN_TEMPERATURE:g}, "
+                             f"got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}] (int64), got {self.seed}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
