@@ -13,6 +13,7 @@ import re
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -163,7 +164,15 @@ def import_cmd(
         from rankserve.workers.checkpoint import check_out_dir, read_config
 
         check_out_dir(out)  # before reading a large source
+        t0, tty = time.perf_counter(), sys.stderr.isatty()
+        if tty:  # one library call reads the source and one writes the result: no bar to move, a line says what runs
+            print(f"importing {src} ({family}): reading, converting, writing {out} ...", file=sys.stderr, flush=True)
         path = IMPORTERS[family](src, out, trust_pickle=trust_pickle)
+        if tty:
+            print(f"imported in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+            print(f"note: no tokenizer was found beside {src}; copy its tokenizer.json or tokenizer.model into {path} "
+                  "before `rankserve generate` or serving", file=sys.stderr)
         _, man = read_config(path)
         _emit(as_json, {"out": str(path), "family": man.family, "keep": man.keep},
               f"imported {src} ({family}) -> {path}  keep={man.keep:.4f}")

@@ -164,6 +164,19 @@ def test_malformed_hf_config_is_a_one_line_error(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
+def test_import_without_a_tokenizer_says_so(tmp_path):
+    """An HF dir with weights and config but no tokenizer imports, and the import says that generate will need one."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    src = tmp_path / "src"
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2)).save_pretrained(src)
+    p = rankserve("import", "--family", "hf", src, tmp_path / "out", "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["family"] == "dense"
+    assert "note: no tokenizer was found beside" in p.stderr and str(tmp_path / "out") in p.stderr
+
+
 # ---- PARSE ---------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
