@@ -225,17 +225,16 @@ def inspect_cmd(model: Path = typer.Argument(...), as_json: bool = typer.Option(
     """Show a native checkpoint's config, family, ranks and groups."""
 
     def body():
-        from rankserve.workers.checkpoint import load_checkpoint
+        from rankserve.workers.checkpoint import check_checkpoint, stored_params
 
-        m, man = load_checkpoint(model)  # full load: validates every tensor
+        cfg, man = check_checkpoint(model)  # every tensor's name, shape and dtype against the config; no weights read
         ranks = [r for r in man.ranks.values() if r is not None]
         info = {"path": str(model), "family": man.family, "source": man.source, "keep": man.keep,
                 "kept_params": man.kept_params, "dense_params": man.dense_params,
-                "total_params": sum(p.numel() for p in m.parameters()),
-                "config": m.cfg.to_hf(), "ranks": man.ranks, "groups": man.groups,
+                "total_params": stored_params(model),
+                "config": cfg.to_hf(), "ranks": man.ranks, "groups": man.groups,
                 "factorized": len(ranks), "dense": len(man.ranks) - len(ranks),
                 "methods": sorted(man.methods), "provenance": man.provenance}
-        cfg = m.cfg
         human = (f"{model}: family {man.family}, keep {man.keep:.4f} ({man.kept_params:,} of {man.dense_params:,} "
                  f"decoder-linear params), {info['total_params']:,} params in all\n"
                  f"  {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}/"

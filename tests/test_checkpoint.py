@@ -291,3 +291,15 @@ def test_save_sweeps_temp_dirs_of_killed_writers(tmp_path):
         os.utime(p, (old, old))
     save_checkpoint(tmp_path / "out", _random_model(), Manifest(family="x", ranks={}))
     assert not stale.exists() and live.exists() and other.exists()  # another output's temp dirs are not ours
+
+
+def test_stored_params_counts_the_model_from_the_header(tmp_path):
+    """inspect's parameter count comes from the safetensors header (no weights read) and equals the loaded model's:
+    a shared basis once, a dense model's every tensor."""
+    from rankserve.workers.checkpoint import stored_params
+
+    groups = {f"{p}.0-1": [proj_name(0, p), proj_name(1, p)] for p in ("q", "gate")}
+    bs = save_checkpoint(tmp_path / "bs", _random_model(_ranks(6, 8), groups), Manifest(family="basis-sharing", ranks={}))
+    for path in (bs, _save_dense(tmp_path)):
+        m, _ = load_checkpoint(path)
+        assert stored_params(path) == sum(p.numel() for p in m.parameters())

@@ -16,6 +16,7 @@ Loading validates every shape, rank and group and names the offending tensor in 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -310,6 +311,13 @@ def _open_weights(path: Path):
         return safe_open(str(path / "model.safetensors"), framework="pt", device="cpu")
     except Exception as e:  # safetensors raises several types for a corrupt header
         raise CheckpointError(f"{path / 'model.safetensors'} is not a readable safetensors file: {e}") from None
+
+
+def stored_params(path: str | Path) -> int:
+    """Parameters of a native checkpoint's model as stored (a shared basis once, method state such as PARSE
+    routers not counted), from the safetensors header: reads no weights."""
+    with _open_weights(Path(path)) as f:
+        return sum(math.prod(f.get_slice(n).get_shape()) for n in f.keys() if not n.startswith("methods."))
 
 
 def check_checkpoint(path: str | Path) -> tuple[ModelConfig, Manifest]:
