@@ -256,6 +256,30 @@ def test_text_keeps_the_leading_space(engine):
     assert r.text.startswith(" ") and engine.tokenizer.decode(r.token_ids) == r.text.lstrip(" ")
 
 
+@pytest.mark.parametrize("model", ["stories260K", "reference"])
+def test_incremental_text_equals_decoding_everything(model):
+    """A row's text is decoded a window at a time; at every step it equals decoding the prompt's last tokens and
+    every generated token again (the old way): natural text, and random ids (byte pieces that start characters
+    they never finish, specials, words), SentencePiece (stories260K) and a tokenizer.json (reference)."""
+    from rankserve.workers.engine import _Row
+    from rankserve.workers.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(BUNDLED.parent / model)
+    text = "Once upon a time, there was a girl named Zoë who said: \u201cna\u00efve caf\u00e9s\u201d \u2014 ok \U0001f600!"
+    g = torch.Generator().manual_seed(0)
+    seqs = [tok.encode(text), torch.randint(0, tok.vocab_size, (300,), generator=g).tolist(),
+            torch.randint(0, min(tok.vocab_size, 300), (300,), generator=g).tolist()]  # bytes, specials
+    for prompt, ids in [([], seqs[0]), (tok.encode("The dog"), seqs[0][1:]), (tok.encode("Hi"), seqs[1]),
+                        ([1], seqs[2])]:
+        row = _Row(prompt, SamplingParams(max_new_tokens=1000, ignore_eos=True), ())
+        for t in ids:
+            row.ids.append(t)
+            got = row._text(tok)
+            whole, before = tok.decode(row.context + row.ids), tok.decode(row.context)
+            assert got == (whole[len(before):] if whole.startswith(before) else tok.decode(row.ids)), len(row.ids)
+        assert row._start > 0 or len(ids) < 8  # it did move on
+
+
 def test_fast_path_gives_the_eager_tokens():
     """The engine's thin decode path (torch backend, no graphs on CPU) generates what the eager loop does."""
     fast = Engine.load(BUNDLED, fast_path="torch")
