@@ -82,6 +82,9 @@ def test_prompt_logprobs_score_what_generation_produced(engine):
     assert [[t for t, _, _ in e.top] for e in tail] == [[t for t, _, _ in e.top] for e in gen.logprobs]
     assert [e.offset - len(prompt) for e in tail] == [e.offset for e in gen.logprobs]
     assert engine.prompt_logprobs(prompt)[0].top == []  # top 0: no alternatives
+    for top in (-1, 21):  # a torch RuntimeError (topk of -1) before
+        with pytest.raises(ValueError, match=r"top must be in \[0, 20\]"):
+            engine.prompt_logprobs(prompt, top)
 
 
 def test_prompt_logprobs_in_pieces_equal_whole(engine, monkeypatch):

@@ -31,7 +31,7 @@ from rankserve.workers.parse_batching import component_cost, group_by_overlap, m
 from rankserve.workers.parse_decode import ParseSlots
 from rankserve.workers.prefill_graph import MIN_BUCKET, ChunkedPrefill, PrefillGraphs, pool_bytes
 from rankserve.workers.prefix_cache import PrefixCache
-from rankserve.workers.sampler import SamplingParams, sample
+from rankserve.workers.sampler import MAX_LOGPROBS, SamplingParams, sample
 from rankserve.workers.tokenizer import Tokenizer
 
 
@@ -386,6 +386,8 @@ class Engine:
         position (one teacher-forced forward; OpenAI's `echo` with `logprobs`). The BOS the engine prepends has no
         entry; without a BOS the first token has no context and its logprob is None. `offset` counts characters
         of the tokens' own text from the prompt's start. PARSE: scored with `subset` (None: the routers' choice)."""
+        if not 0 <= top <= MAX_LOGPROBS:
+            raise ValueError(f"top must be in [0, {MAX_LOGPROBS}], got {top}")
         ids = self.encode_prompt(prompt, room=0)
         if self.routers is not None:
             apply(self.model, [validate(subset, self.routers) if subset is not None else
