@@ -134,8 +134,8 @@ class _Row:
     def _text(self, tok: Tokenizer) -> str:
         """The generated tokens' text, decoded after the prompt's last tokens (a leading space survives). Decoded
         incrementally: only the tokens since the last whole character, after the ones before it. Decoding every token
-        again each step cost 3.9 ms a token over the last 1,000 of 16,384 tokens (reference model's tokenizer, this
-        repository's 2-core CPU), more than a 7B decode step on the H200; this way 0.011 ms."""
+        again each step cost 3.4 ms a token over the last 1,000 of 16,384 (the reference model's tokenizer on a 2-core
+        CPU), more than a 7B decode step on the H200; this way 0.012 ms (bench/text_host.py)."""
         c = len(self.context)
         window = self.context[self._start:] + self.ids if self._start < c else self.ids[self._start - c:]
         head, full = tok.decode(window[:self._read - self._start]), tok.decode(window)
