@@ -283,6 +283,26 @@ def test_incremental_text_equals_decoding_everything(model):
         assert row._start > 0 or len(ids) < 8  # it did move on
 
 
+def test_incremental_text_keeps_the_spaces_after_a_lone_space_piece(engine):
+    """SentencePiece drops every leading "▁" piece of a text ("▁", "▁li" reads "li"): a window starting at a lone
+    "▁" lost the spaces after it. The bundled model wrote "sky.", "▁", "▁li", "ved" (temperature 1.5, seed 50)."""
+    from rankserve.workers.engine import _Row
+
+    tok = engine.tokenizer
+    prompt = tok.encode("Once upon a time")
+    for pieces in [[".", "▁", "▁li", "ved"], ["ce", "▁", "▁", "▁Once"], ["▁", "▁", "▁", "k"]]:
+        row = _Row(prompt, SamplingParams(max_new_tokens=10), ())
+        for p in pieces:
+            row.ids.append(tok._impl.piece_to_id(p))
+            got = row._text(tok)
+            whole, before = tok.decode(row.context + row.ids), tok.decode(row.context)
+            assert got == whole[len(before):], pieces
+    r = engine.generate("Once upon a time", SamplingParams(max_new_tokens=120, temperature=1.5, seed=50,
+                                                           ignore_eos=True))
+    whole, before = tok.decode(prompt[-4:] + r.token_ids), tok.decode(prompt[-4:])
+    assert r.text == whole[len(before):] and "sky.  lived" in r.text
+
+
 def test_fast_path_gives_the_eager_tokens():
     """The engine's thin decode path (torch backend, no graphs on CPU) generates what the eager loop does."""
     fast = Engine.load(BUNDLED, fast_path="torch")
