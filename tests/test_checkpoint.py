@@ -192,6 +192,28 @@ def test_save_flushes_every_file_before_the_rename(tmp_path, monkeypatch):
     assert ("fsync", str(tmp_path)) in events[renamed:]  # the rename itself
 
 
+def test_a_directory_that_cannot_be_synced_does_not_fail_the_save(tmp_path, monkeypatch):
+    """Some file systems refuse fsync on a directory (EINVAL): the checkpoint is in place and the save succeeds; a
+    file that cannot be synced still fails it, leaving nothing."""
+    import errno
+    import os
+
+    fsync = os.fsync
+
+    def dirs_refused(fd):
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", dirs_refused)
+    out = save_checkpoint(tmp_path / "out", _random_model(), Manifest(family="x", ranks={}))
+    assert load_checkpoint(out)[1].family == "x"
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+    with pytest.raises(CheckpointError, match="cannot write .*I/O error"):
+        save_checkpoint(tmp_path / "out2", _random_model(), Manifest(family="x", ranks={}))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_bf16_load(tmp_path):
     path = save_checkpoint(tmp_path / "m", _random_model(_ranks()), Manifest(family="x", ranks={}))
     m, _ = load_checkpoint(path, dtype=torch.bfloat16)

@@ -107,3 +107,14 @@ def test_an_activation_other_than_silu_is_refused():
     with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
         ModelConfig.from_hf(d)
     assert ModelConfig.from_hf({**d, "hidden_act": "silu"}).hidden_size == 16
+
+
+def test_swish_is_read_as_silu():
+    """HF runs hidden_act "swish" as SiLU (transformers.activations.ACT2FN): the same model, not refused."""
+    from transformers.activations import ACT2FN
+
+    x = torch.randn(64)
+    assert torch.equal(ACT2FN["swish"](x), torch.nn.functional.silu(x))
+    d = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                    hidden_act="swish").to_dict()
+    assert ModelConfig.from_hf(d).hidden_size == 16

@@ -195,10 +195,19 @@ def save_checkpoint(out_dir: str | Path, model: Transformer, manifest: Manifest,
 
 
 def _fsync(path: Path) -> None:
-    """Flush a file's data, or a directory's entries, to the disk."""
-    fd = os.open(path, os.O_RDONLY)
+    """Flush a file's data to the disk; a directory's entries where the platform can (some file systems and Windows
+    refuse to open or sync a directory: that is no failure of the save)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        if path.is_dir():
+            return
+        raise
     try:
         os.fsync(fd)
+    except OSError:
+        if not path.is_dir():
+            raise
     finally:
         os.close(fd)
 

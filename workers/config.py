@@ -89,7 +89,7 @@ class ModelConfig:
         if missing:
             raise ValueError(f"config.json lacks required LLaMA fields: {', '.join(missing)}")
         act = d.get("hidden_act", "silu")
-        if act != "silu":  # the runtime's MLP is SiLU-gated: another activation would run as SiLU, silently wrong
+        if act not in ("silu", "swish"):  # SiLU-gated MLP (HF's swish is SiLU): another would run as SiLU, wrong
             raise ValueError(f"hidden_act {act!r} is not supported (rankserve's LLaMA MLP uses silu)")
         rope_theta = d.get("rope_theta")
         scaling = d.get("rope_scaling")
