@@ -451,3 +451,32 @@ def test_rows_step_reads_each_layers_live_widths_at_its_row():
     slots.layers[1].live = slots.live_dev[1].clone()  # same values, another tensor
     with pytest.raises(ValueError, match="live widths at row i"):
         RowsStepKernel(slots.layers, dec.head_n, sk.b, pool.cfg, sk.num_splits, 3)
+
+
+def test_a_batch_that_takes_the_decoders_back_leaves_the_masks_alone():
+    """A PARSE batch that ran eagerly (another batch held the engine's decoders) and takes them once it has emptied
+    does not write its old eager masks into the model at every fast step; its rows still get their own tokens."""
+    from pathlib import Path
+
+    from rankserve.workers.engine import Engine
+    from rankserve.workers.sampler import SamplingParams
+    from rankserve.workers.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(Path(__file__).resolve().parents[1] / "models" / "stories260K")
+    pool, routers = _pool()
+    e = Engine(pool, tok, None, routers=routers, fast_path="torch")
+    sp = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+    s1, s2 = _subset(routers, 1), _subset(routers, 2)
+    want = e.generate([1, 7, 9], sp, subset=s2).token_ids
+    a = e.stream_batch([[1, 5]], [sp], [s1])  # holds the decoders
+    b = e.stream_batch([[1, 6]], [sp], [s1])  # runs eagerly: its masks on the model
+    next(a), next(b)
+    assert not b._batch.owns and b._batch.masks is not None
+    a.close()
+    list(b)  # empties: lets go of nothing it held
+    i = b.add([1, 7, 9], sp, s2)
+    got = []
+    for step in b:
+        assert b._batch.owns and b._batch.dec is not None and b._batch.masks is None
+        got += [ev.token_id for j, ev in step.items() if j == i]
+    assert got == want

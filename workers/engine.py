@@ -716,6 +716,7 @@ class _Batch:
             self.e._holder = weakref.ref(self)
         self.fast = self.owns and not (self.e.routers is not None and self.e.reroute_every)  # re-routing: eager
         self.slots, self.B, self.S, self.dec, self.cache, self.lens = [], 0, 0, None, None, []
+        self.masks = None  # an eager PARSE layout's, from before: _arrange applies the next one's if it is eager
 
     def _let_go(self) -> None:
         """No rows left (or closed): the decoders and fill cache go to whichever batch takes rows next."""
