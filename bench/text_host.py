@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from rankserve.workers.engine import _Row
+from rankserve.workers.engine import _Row, whole_text
 from rankserve.workers.sampler import SamplingParams
 from rankserve.workers.tokenizer import Tokenizer
 
@@ -26,8 +26,7 @@ class _WholeRow(_Row):
     """The baseline: the prompt's last tokens and every generated token decoded again at each push."""
 
     def _text(self, tok: Tokenizer) -> str:
-        whole, before = tok.decode(self.context + self.ids), tok.decode(self.context)
-        return whole[len(before):] if whole.startswith(before) else tok.decode(self.ids)
+        return whole_text(tok, self.context, self.ids)
 
 
 def push_all(row_type: type[_Row], tok: Tokenizer, ids: list[int], tail: int) -> dict:

@@ -140,8 +140,7 @@ class _Row:
         window = self.context[self._start:] + self.ids if self._start < c else self.ids[self._start - c:]
         head, full = tok.decode(window[:self._read - self._start]), tok.decode(window)
         if not full.startswith(head):  # the earlier tokens' text changed with the new ones: decode everything
-            whole, before = tok.decode(self.context + self.ids), tok.decode(self.context)
-            return whole[len(before):] if whole.startswith(before) else tok.decode(self.ids)
+            return whole_text(tok, self.context, self.ids)
         tail = full[len(head):]
         if tail and not tail.endswith("\ufffd"):  # whole characters: the next decode starts after them
             self._done += tail
@@ -181,6 +180,12 @@ class _Row:
         delta = text[len(self.released):] if text.startswith(self.released) else ""
         self.released = text if text.startswith(self.released) else self.released
         return delta
+
+
+def whole_text(tok: Tokenizer, context: list[int], ids: list[int]) -> str:
+    """`ids`' text decoded after the tokens `context` (so a leading space survives), all of it at once."""
+    whole, before = tok.decode(context + ids), tok.decode(context)
+    return whole[len(before):] if whole.startswith(before) else tok.decode(ids)
 
 
 def _entries(tok: Tokenizer, ctx: list[int], picks: list[tuple[int, float]]) -> list[tuple[str, float, list[int]]]:
