@@ -85,7 +85,42 @@ def check(model_dir: Path, prompts: list[str], n: int = 32) -> dict:
     res["stream_batch"] = check_stream_batch(gpu, prompts)
     res["continuous"] = check_continuous(gpu, prompts)
     res["prompt_logprobs"] = check_prompt_logprobs(gpu, prompts[0])
+    res["open_streams"] = check_open_streams(model_dir, prompts)
     return res
+
+
+def check_open_streams(model_dir: Path, prompts: list[str], chunk: int = 16) -> dict:
+    """Two batches of one engine open at once, read in turn (session 35: the first holds the engine's decoders and
+    fill cache, the other runs eagerly in its own cache): each row's greedy tokens against its request alone, with a
+    long prompt joining each batch by chunks; and every row's streamed text (the events' pieces joined) against the
+    tokenizer's decoding of its tokens."""
+    from rankserve.workers.engine import whole_text
+
+    eng = Engine.load(model_dir, device="cuda", prefill_chunk=chunk, prefix_cache_bytes=0)
+    sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    longs = [" ".join(prompts * 6), " ".join(reversed(prompts * 6))]
+    short = [prompts[0], prompts[1 % len(prompts)]]
+    alone = [eng.generate(p, sp) for p in short + longs]
+    a, b = eng.stream_batch([short[0]], [sp]), eng.stream_batch([short[1]], [sp])
+    next(a), next(b)
+    ka, kb = a.add(longs[0], sp), b.add(longs[1], sp)
+    got = {(0, ka): [], (1, kb): []}
+    text = {(0, ka): "", (1, kb): ""}
+    while any(s.rows for s in (a, b)):
+        for j, s in enumerate((a, b)):
+            for i, ev in next(s, {}).items():
+                if (j, i) in got:
+                    got[(j, i)].append(ev.token_id)
+                    text[(j, i)] += ev.text
+    chunks = a._batch.chunks + b._batch.chunks
+    a.close(), b.close()
+    rows = list(got.values())
+    return dict(first_mismatch_vs_alone=[next((i for i, (x, y) in enumerate(zip(r, w.token_ids)) if x != y), None)
+                                         for r, w in zip(rows, alone[2:])],
+                rows_tokens=[len(r) for r in rows], chunks=chunks,
+                streamed_text_equal_decoded=[t == whole_text(eng.tokenizer, eng.encode_prompt(p, sp), r)
+                                             for p, t, r in zip(longs, text.values(), rows)],
+                next_stream_owns=bool(eng.stream_batch([short[0]], [sp])._batch.owns))
 
 
 def check_stream_batch(gpu: Engine, prompts: list[str]) -> dict:

@@ -209,6 +209,8 @@ class TrainConfig:
     kd_batch: int = 8  # windows per end-to-end (KD) step
     kd_lr: float = 1e-4
     kd_eval: int = 64  # held-out windows scored for the end-to-end stage's early stopping
+    kd_scope: str = "window"  # positions the KD loss scores: "window" (every token) | "continuation" (the
+    # positions predicting tokens after the first prompt_len, as `rankserve eval --prompt-len` scores them)
     save_every: int = 50  # steps between resumable train-state writes
 
     def __post_init__(self) -> None:
@@ -218,6 +220,10 @@ class TrainConfig:
             raise ValueError(f"holdout must be in [0, 1), got {self.holdout}")
         if self.windows < 2 or self.batch_size < 1 or self.sample_tokens < 1:
             raise ValueError("windows must be >= 2, batch_size and sample_tokens >= 1")
+        if self.kd_scope not in ("window", "continuation"):
+            raise ValueError(f"kd_scope must be 'window' or 'continuation', got {self.kd_scope!r}")
+        if self.kd_scope == "continuation" and self.prompt_len == self.window:
+            raise ValueError("kd_scope 'continuation' needs prompt_len < window (no continuation to score)")
 
 
 @dataclass
@@ -542,11 +548,13 @@ def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k:
             s = xn[router_input(n)][idx] @ params[_key(n) + "_R"].T + params[_key(n) + "_b"]  # (B, r)
             lins[n].mask = _hard(s, k[n]) if hard else ste_topk(s, k[n], cfg.temperature)
 
+    first = cfg.prompt_len - 1 if cfg.kd_scope == "continuation" else 0  # position predicting the first scored token
+
     def kl(idx: torch.Tensor) -> torch.Tensor:
         x = data.windows[idx]  # (B, L)
         with torch.no_grad():
-            ref = torch.log_softmax(dense(x), -1)  # (B, L, V)
-        lp = torch.log_softmax(model(x), -1)
+            ref = torch.log_softmax(dense(x)[:, first:], -1)  # (B, L - first, V)
+        lp = torch.log_softmax(model(x)[:, first:], -1)
         return (ref.exp() * (ref - lp)).sum(-1).mean()
 
     def heldout() -> float:
