@@ -89,14 +89,14 @@ def check(model_dir: Path, prompts: list[str], n: int = 32) -> dict:
     return res
 
 
-def check_open_streams(model_dir: Path, prompts: list[str], chunk: int = 16) -> dict:
+def check_open_streams(model_dir: Path, prompts: list[str], chunk: int = 16, dtype: torch.dtype | None = None) -> dict:
     """Two batches of one engine open at once, read in turn (session 35: the first holds the engine's decoders and
     fill cache, the other runs eagerly in its own cache): each row's greedy tokens against its request alone, with a
     long prompt joining each batch by chunks; and every row's streamed text (the events' pieces joined) against the
-    tokenizer's decoding of its tokens."""
+    tokenizer's decoding of its tokens. `dtype` None: bf16; in fp32 a mismatch is a fault, not a near-tie."""
     from rankserve.workers.engine import whole_text
 
-    eng = Engine.load(model_dir, device="cuda", prefill_chunk=chunk, prefix_cache_bytes=0)
+    eng = Engine.load(model_dir, device="cuda", dtype=dtype, prefill_chunk=chunk, prefix_cache_bytes=0)
     sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
     longs = [" ".join(prompts * 6), " ".join(reversed(prompts * 6))]
     short = [prompts[0], prompts[1 % len(prompts)]]
@@ -362,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--only-chunked", action="store_true",
-                   help="only the chunked-prefill and prefix-cache checks (check_chunked, check_prefix)")
+                   help="only the chunked-prefill, prefix-cache and open-streams checks of the reference models, bf16 "
+                        "and fp32 (check_chunked, check_prefix, check_open_streams)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("error: this check needs a CUDA GPU")
@@ -382,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
                 for dt, tag in ((None, ""), (torch.float32, "-fp32")):
                     out[name + "-chunked" + tag] = check_chunked(d, prompts, dtype=dt)
                     out[name + "-prefix" + tag] = check_prefix(d, prompts, dtype=dt)
-                    for what in ("-chunked", "-prefix"):
+                    out[name + "-open-streams" + tag] = check_open_streams(d, prompts, dtype=dt)
+                    for what in ("-chunked", "-prefix", "-open-streams"):
                         print(name + what + tag, json.dumps(out[name + what + tag]), flush=True)
         if a.only_chunked:
             Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
