@@ -25,7 +25,8 @@ import torch
 from rankserve.compress.evaluate import compare
 from rankserve.compress.fidelity import parse_masks
 from rankserve.workers.checkpoint import load_checkpoint
-from rankserve.workers.parse import load_parse
+from rankserve.workers.model import Transformer
+from rankserve.workers.parse import Routers, clear, load_parse
 from rankserve.workers.tokenizer import Tokenizer
 
 MODES = ("route", "static")
@@ -40,10 +41,16 @@ def paired(ckpt: str | Path, text: str, reference: str | Path, seq_len: int = 25
     routers = load_parse(ckpt, model)
     if routers is None:
         raise ValueError(f"{ckpt} is not a PARSE checkpoint")
+    return {"checkpoint": str(ckpt)} | paired_scores(model, ref, routers, Tokenizer.load(ckpt), text, seq_len,
+                                                     prompt_len, max_tokens, batch_size)
+
+
+def paired_scores(model: Transformer, ref: Transformer, routers: Routers, tok: Tokenizer, text: str,
+                  seq_len: int = 256, prompt_len: int = 64, max_tokens: int = 0, batch_size: int = 8) -> dict:
+    """`paired` of a PARSE pool and its routers already loaded (on any one device)."""
     if prompt_len < 1:
         raise ValueError(f"routing needs a prompt: prompt_len must be at least 1, got {prompt_len}")
-    tok = Tokenizer.load(ckpt)
-    out: dict = {"checkpoint": str(ckpt), "seq_len": seq_len, "prompt_len": prompt_len}
+    out: dict = {"seq_len": seq_len, "prompt_len": prompt_len}
     rows: dict[str, list[tuple[int, float, int]]] = {}  # per mode, per window: (tokens, NLL sum, agreements)
     for mode in MODES:
         rows[mode] = []
@@ -51,6 +58,7 @@ def paired(ckpt: str | Path, text: str, reference: str | Path, seq_len: int = 25
         r = compare(model, ref, tok, text, seq_len, None, max_tokens or None, batch_size, prompt_len=prompt_len,
                     masks=masks, per_window=rows[mode])
         out[mode] = {"perplexity": r["perplexity"], "nll": r["nll"], "top1_agreement": r["top1_agreement"]}
+    clear(model)
     out.update(windows=len(rows["route"]), tokens=sum(n for n, _, _ in rows["route"]))
     pairs = list(zip(rows["route"], rows["static"], strict=True))  # the same windows, the same tokens
     d_nll = torch.tensor([(a[1] - b[1]) / a[0] for a, b in pairs], dtype=torch.float64)

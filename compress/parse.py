@@ -211,6 +211,8 @@ class TrainConfig:
     kd_eval: int = 64  # held-out windows scored for the end-to-end stage's early stopping
     kd_scope: str = "window"  # positions the KD loss scores: "window" (every token) | "continuation" (the
     # positions predicting tokens after the first prompt_len, as `rankserve eval --prompt-len` scores them)
+    kd_loss: str = "kl"  # "kl": KL(dense ‖ PARSE); "argmax": cross-entropy to the dense model's argmax token
+    # (hard-label distillation: what top-1 agreement counts)
     save_every: int = 50  # steps between resumable train-state writes
 
     def __post_init__(self) -> None:
@@ -224,6 +226,8 @@ class TrainConfig:
             raise ValueError(f"kd_scope must be 'window' or 'continuation', got {self.kd_scope!r}")
         if self.kd_scope == "continuation" and self.prompt_len == self.window:
             raise ValueError("kd_scope 'continuation' needs prompt_len < window (no continuation to score)")
+        if self.kd_loss not in ("kl", "argmax"):
+            raise ValueError(f"kd_loss must be 'kl' or 'argmax', got {self.kd_loss!r}")
 
 
 @dataclass
@@ -555,6 +559,8 @@ def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k:
         with torch.no_grad():
             ref = torch.log_softmax(dense(x)[:, first:], -1)  # (B, L - first, V)
         lp = torch.log_softmax(model(x)[:, first:], -1)
+        if cfg.kd_loss == "argmax":
+            return -lp.gather(-1, ref.argmax(-1, keepdim=True)).mean()
         return (ref.exp() * (ref - lp)).sum(-1).mean()
 
     def heldout() -> float:
@@ -759,11 +765,11 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
     (work / "settings.json").write_text(json.dumps(settings, indent=1))
 
     if pool_from is not None:  # the experts as stored, in the stored dtype: what will be served
-        store_dtype = _stored_dtype(Path(pool_from))
+        store_dtype = stored_dtype(Path(pool_from))
         model, _ = load_checkpoint(pool_from, device, torch.float32)
         base = pool_man.family
     else:
-        store_dtype = _stored_dtype(dense_dir)
+        store_dtype = stored_dtype(dense_dir)
         pool_dir = work / "pool"
         if not pool_dir.is_dir():  # stored in the source dtype and reloaded, so the routers see the served weights
             model, k, r_max = build_pool(dense_dir, base, keep, calib_text, pool_factor, calib_tokens, calib_seq_len,
@@ -873,7 +879,7 @@ def _fingerprint(ckpt: Path) -> dict:
                 manifest=hashlib.sha256((ckpt / "rankserve.json").read_bytes()).hexdigest()[:16])
 
 
-def _stored_dtype(ckpt: Path) -> torch.dtype:
+def stored_dtype(ckpt: Path) -> torch.dtype:
     """The dtype a checkpoint stores its weights in (the PARSE checkpoint keeps it)."""
     with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
         stored = f.get_slice("embed.weight").get_dtype()
