@@ -82,10 +82,10 @@ def dev_scores(model: Transformer, dense: Transformer, routers: Routers, windows
 
 
 def sweep(dense_dir: Path, base: str, calib_text: Path, train_text: Path, test_text: Path, variants: list[str],
-          device: str, keep: float = 0.6, windows: int = 2048, steps: int = 100, seq_len: int = 256,
+          device: str, keep: float = 0.6, train: TrainConfig | None = None, steps: int = 100, seq_len: int = 256,
           max_tokens: int = 0, log=print) -> dict:
     specs = [(v, parse_variant(v)) for v in variants]
-    train = TrainConfig(windows=windows)
+    train = train or TrainConfig()
     t0 = time.perf_counter()
     model, k, r_max = build_pool(dense_dir, base, keep, calib_text, progress=False, device=device)
     with tempfile.TemporaryDirectory() as tmp:  # the pool as served: the dense checkpoint's dtype, read back
@@ -128,7 +128,8 @@ def sweep(dense_dir: Path, base: str, calib_text: Path, train_text: Path, test_t
         rows.append(row)
         log(json.dumps({"variant": name, "dev": row["dev"]["route_minus_static"],
                         "test": row["test"]["route_minus_static"], "kd_kept": rep.get("kd_kept")}))
-    return dict(base=base, keep=keep, windows=windows, layer_local_steps=steps, device=device,
+    return dict(base=base, keep=keep, windows=train.windows, window=train.window, prompt_len=train.prompt_len,
+                kd_eval=train.kd_eval, layer_local_steps=steps, device=device,
                 gpu=torch.cuda.get_device_name() if device.startswith("cuda") else None, torch=torch.__version__,
                 shared_start_s=start_s, layer_local=report0, dev_windows=len(dev), rows=rows)
 
@@ -154,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-text", required=True, type=Path)
     ap.add_argument("--test", required=True, type=Path, help="the evaluation text")
     ap.add_argument("--variants", nargs="+", required=True, help="scope:loss:lr:steps, or none")
-    ap.add_argument("--windows", type=int, default=2048)
+    ap.add_argument("--windows", type=int, default=2048, help="router training windows (the last tenth held out)")
+    ap.add_argument("--window", type=int, default=128, help="tokens per training window")
+    ap.add_argument("--prompt-len", type=int, default=64, help="the prompt: routed on, not scored")
+    ap.add_argument("--kd-eval", type=int, default=64, help="held-out windows that stop KD early; the rest are dev")
     ap.add_argument("--max-tokens", type=int, default=0, help="score the evaluation text's first N tokens (0 = all)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", required=True, type=Path, help="writes OUT (JSON) and OUT with .md")
@@ -170,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for base in a.bases:
         results.append(sweep(Path(a.dense), base, a.calib_text, a.train_text, a.test, a.variants, a.device,
-                             windows=a.windows, max_tokens=a.max_tokens, log=lambda s: print(s, flush=True)))
+                             train=TrainConfig(windows=a.windows, window=a.window, prompt_len=a.prompt_len,
+                                               kd_eval=a.kd_eval),
+                             max_tokens=a.max_tokens, log=lambda s: print(s, flush=True)))
         cmd = "python -m rankserve.bench.parse_kd_sweep " + " ".join(argv if argv is not None else sys.argv[1:])
         a.out.write_text(json.dumps({"command": cmd, "results": results}, indent=1) + "\n")
         a.out.with_suffix(".md").write_text(f"Command: `{cmd}`\n\n" + markdown(results))

@@ -134,6 +134,49 @@ def test_train_routers_resumes_to_the_same_result(tmp_path):
     assert rep["steps"] == 6
 
 
+@pytest.mark.parametrize("bad, match", [(dict(kd_scope="prompt"), "kd_scope"), (dict(kd_loss="mse"), "kd_loss"),
+                                        (dict(kd_scope="continuation", prompt_len=32, window=32), "continuation")])
+def test_kd_knobs_are_checked(bad, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**bad)
+
+
+def test_kd_loss_scores_the_positions_and_target_it_names():
+    """The end-to-end stage's held-out loss at its start (0 steps: the routers it was given) is, for each kd_scope and
+    kd_loss, the KL to the dense model or the cross-entropy to its argmax token, over every position of the window or
+    from the one predicting the first token after the prompt; computed here from the routers' hard masks directly."""
+    from dataclasses import replace
+
+    from rankserve.compress.parse import build_pool, collect, distill_routers, sample_windows
+    from rankserve.workers.parse import router_input
+
+    cfg = TrainConfig(windows=24, window=32, prompt_len=16, collect_batch=8, kd_eval=8, holdout=0.34)
+    model, k, _ = build_pool(STORIES, "svd-llm", 0.6, CALIB, calib_tokens=2048, calib_seq_len=128, progress=False)
+    dense, _ = load_checkpoint(STORIES, "cpu", torch.float32)
+    wins = sample_windows(CALIB, Tokenizer.load(STORIES), cfg.windows, cfg.window)
+    data = collect(model, {n: l.dense_weight().detach() for n, l in dense.projections().items()}, wins,
+                   cfg.prompt_len, batch_size=8, progress=False)
+    R, b, _ = train_routers(data, k, 0, cfg, progress=False)
+    lins = model.projections()
+    with torch.no_grad():
+        for n in k:  # the last 8 windows are held out, all of them scored (kd_eval = 8)
+            s = data.x[router_input(n)][-8:] @ R[n].T + b[n]
+            lins[n].mask = torch.zeros_like(s).scatter_(-1, s.topk(k[n], dim=-1).indices, 1.0)
+        x = data.windows[-8:]
+        lp, ref = torch.log_softmax(model(x), -1), torch.log_softmax(dense(x), -1)  # (8, 32, V)
+        for n in k:
+            lins[n].mask = None
+    per_pos = {"kl": (ref.exp() * (ref - lp)).sum(-1), "argmax": -lp.gather(-1, ref.argmax(-1, keepdim=True))[..., 0]}
+    got = {}
+    for scope, first in (("window", 0), ("continuation", cfg.prompt_len - 1)):
+        for loss in ("kl", "argmax"):
+            _, _, rep = distill_routers(model, dense, data, k, R, b, 0, replace(cfg, kd_scope=scope, kd_loss=loss),
+                                        progress=False)
+            got[scope, loss] = rep["kd_heldout_kl_start"]
+            assert got[scope, loss] == pytest.approx(float(per_pos[loss][:, first:].mean()), rel=1e-5)
+    assert got["window", "kl"] != pytest.approx(got["continuation", "kl"], rel=1e-3)
+
+
 def test_router_data_moves_whole():
     """RouterData.to (training runs on the data's device, `train-parse --device`) moves every tensor it holds."""
     g = torch.Generator().manual_seed(3)
