@@ -1,15 +1,15 @@
 """Variants of PARSE's end-to-end router stage (KD) from one shared start, each scored on held-out training windows
 (the dev set, which picks a variant) and on the evaluation text (paired route vs static, `parse_paired`'s protocol).
 
-    python -m rankserve.bench.parse_kd_sweep --base svd-llm --calib-text valid.txt --train-text valid.txt \
-        --test wiki.test.raw --reference models/reference --out parse-kd-sweep-svd-llm.json --device cuda \
-        --variants window:kl:1e-4:300 continuation:kl:1e-4:300 continuation:argmax:3e-4:1000
+    python -m rankserve.bench.parse_kd_sweep --bases svd-llm --calib-text valid.txt --train-text valid.txt \
+        --test wiki.test.raw --out parse-kd-sweep-svd-llm.json [--device cuda] [--loss-scope continuation] \
+        --variants none kl:1e-4:300 argmax:1e-3:1000
 
 The shared start is what `build_parse_checkpoint` builds before its KD stage, with the same defaults: the base's
 pool at r_max = 2 K (stored in the dense checkpoint's dtype and read back), the router data of `--windows` windows,
-the ridge warm start and the layer-local STE steps. A variant `scope:loss:lr:steps` then runs `distill_routers`
-from that start with TrainConfig(kd_scope=scope, kd_loss=loss, kd_lr=lr) for `steps` steps; "none" is the start
-itself. The held-out windows (the last tenth) are split: the first `kd_eval` stop the KD stage early, the rest are
+the ridge warm start and the layer-local STE steps, all with TrainConfig(loss_scope=--loss-scope). A variant
+`loss:lr:steps` then runs `distill_routers` from that start with TrainConfig(kd_loss=loss, kd_lr=lr) for `steps`
+steps; "none" is the start itself. The held-out windows (the last tenth) are split: the first `kd_eval` stop the KD stage early, the rest are
 the dev set, scored on their continuation (positions past `prompt_len`) for route and static: NLL, KL to the dense
 model and top-1 agreement. Choose a variant by its dev figures, not by the evaluation text's.
 
@@ -39,17 +39,17 @@ from rankserve.workers.parse import Routers, clear
 from rankserve.workers.tokenizer import Tokenizer
 
 
-def parse_variant(spec: str) -> tuple[str, str, float, int] | None:
-    """"scope:loss:lr:steps" -> its parts; "none" -> None (the shared start, no KD stage)."""
+def parse_variant(spec: str) -> tuple[str, float, int] | None:
+    """"loss:lr:steps" -> its parts; "none" -> None (the shared start, no KD stage)."""
     if spec == "none":
         return None
     try:
-        scope, loss, lr, steps = spec.split(":")
-        out = scope, loss, float(lr), int(steps)
+        loss, lr, steps = spec.split(":")
+        out = loss, float(lr), int(steps)
     except ValueError:
-        raise ValueError(f"variant {spec!r} is not scope:loss:lr:steps (e.g. continuation:kl:1e-4:300) or none")
-    TrainConfig(kd_scope=scope, kd_loss=loss)  # checks the names
-    if out[2] <= 0 or out[3] < 1:
+        raise ValueError(f"variant {spec!r} is not loss:lr:steps (e.g. kl:1e-4:300) or none")
+    TrainConfig(kd_loss=loss)  # checks the name
+    if out[1] <= 0 or out[2] < 1:
         raise ValueError(f"variant {spec!r}: lr must be positive and steps at least 1")
     return out
 
@@ -98,7 +98,7 @@ def sweep(dense_dir: Path, base: str, calib_text: Path, train_text: Path, test_t
     tok = Tokenizer.load(dense_dir)
     wins = sample_windows([train_text], tok, train.windows, train.window, train.seed)
     data = collect(model, dense_w, wins, train.prompt_len, train.sample_tokens, train.collect_batch, train.seed,
-                   progress=False).to(device)
+                   progress=False, loss_from=train.loss_from).to(device)
     del dense_w
     R0, b0, report0 = train_routers(data, k, steps, train, None, progress=False)
     n_val = int(round(data.n * train.holdout))
@@ -116,8 +116,8 @@ def sweep(dense_dir: Path, base: str, calib_text: Path, train_text: Path, test_t
         if spec is None:
             R, b, rep = R0, b0, {}
         else:
-            scope, loss, lr, n_steps = spec
-            cfg = replace(train, kd_scope=scope, kd_loss=loss, kd_lr=lr)
+            loss, lr, n_steps = spec
+            cfg = replace(train, kd_loss=loss, kd_lr=lr)
             R, b, rep = distill_routers(model, dense_model, data, k, R0, b0, n_steps, cfg, None, progress=False)
         routers = Routers(R={n: v.float() for n, v in R.items()}, b={n: v.float() for n, v in b.items()}, k=k,
                           r_max=r_max, head={}, perm=perm)
@@ -128,19 +128,19 @@ def sweep(dense_dir: Path, base: str, calib_text: Path, train_text: Path, test_t
         rows.append(row)
         log(json.dumps({"variant": name, "dev": row["dev"]["route_minus_static"],
                         "test": row["test"]["route_minus_static"], "kd_kept": rep.get("kd_kept")}))
-    return dict(base=base, keep=keep, windows=train.windows, window=train.window, prompt_len=train.prompt_len,
+    return dict(base=base, keep=keep, loss_scope=train.loss_scope, windows=train.windows, window=train.window, prompt_len=train.prompt_len,
                 kd_eval=train.kd_eval, layer_local_steps=steps, device=device,
                 gpu=torch.cuda.get_device_name() if device.startswith("cuda") else None, torch=torch.__version__,
                 shared_start_s=start_s, layer_local=report0, dev_windows=len(dev), rows=rows)
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| base | variant | KD kept | dev Δ NLL / Δ KL / Δ top-1 | test static ppl / top-1 | test Δ NLL (95 %) | "
-             "test Δ top-1 (95 %) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| base | loss scope | variant | KD kept | dev Δ NLL / Δ KL / Δ top-1 | test static ppl / top-1 | test Δ NLL (95 %) | "
+             "test Δ top-1 (95 %) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for res in results:
         for r in res["rows"]:
             d, t = r["dev"]["route_minus_static"], r["test"]["route_minus_static"]
-            lines.append(f"| {res['base']} | {r['variant']} | {r['kd'].get('kd_kept', '-')} | "
+            lines.append(f"| {res['base']} | {res['loss_scope']} | {r['variant']} | {r['kd'].get('kd_kept', '-')} | "
                          f"{d['nll']:+.4f} / {d['kl']:+.4f} / {d['top1']:+.4f} | "
                          f"{r['test']['static']['perplexity']:.2f} / {r['test']['static']['top1_agreement']:.4f} | "
                          f"{t['nll']:+.4f} ± {t['nll_ci95']:.4f} | {t['top1']:+.4f} ± {t['top1_ci95']:.4f} |")
@@ -154,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calib-text", required=True, type=Path)
     ap.add_argument("--train-text", required=True, type=Path)
     ap.add_argument("--test", required=True, type=Path, help="the evaluation text")
-    ap.add_argument("--variants", nargs="+", required=True, help="scope:loss:lr:steps, or none")
+    ap.add_argument("--variants", nargs="+", required=True, help="loss:lr:steps (loss kl or argmax), or none")
+    ap.add_argument("--loss-scope", default="window", choices=["window", "continuation"],
+                    help="positions both training losses score (TrainConfig.loss_scope)")
     ap.add_argument("--windows", type=int, default=2048, help="router training windows (the last tenth held out)")
     ap.add_argument("--window", type=int, default=128, help="tokens per training window")
     ap.add_argument("--prompt-len", type=int, default=64, help="the prompt: routed on, not scored")
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     for base in a.bases:
         results.append(sweep(Path(a.dense), base, a.calib_text, a.train_text, a.test, a.variants, a.device,
                              train=TrainConfig(windows=a.windows, window=a.window, prompt_len=a.prompt_len,
-                                               kd_eval=a.kd_eval),
+                                               kd_eval=a.kd_eval, loss_scope=a.loss_scope),
                              max_tokens=a.max_tokens, log=lambda s: print(s, flush=True)))
         cmd = "python -m rankserve.bench.parse_kd_sweep " + " ".join(argv if argv is not None else sys.argv[1:])
         a.out.write_text(json.dumps({"command": cmd, "results": results}, indent=1) + "\n")

@@ -93,7 +93,10 @@ CHOICES = {
     "loss": "stage 1-2, layer-local: ‖U(m⊙Vx) − Wx‖² / ‖Wx‖² against the dense W on the same input x, over all "
             "tokens of a training window (prompt and continuation: the subset is reused for decode), multilinear "
             "in m (module docstring), mean over windows and matrices; stage 3, end-to-end logit KD: "
-            "KL(dense ‖ PARSE) of the next-token distributions over every window token, all routers at once",
+            "KL(dense ‖ PARSE) of the next-token distributions over every window token, all routers at once. "
+            "TrainConfig.loss_scope='continuation' scores only the positions after the prompt in both stages, and "
+            "kd_loss='argmax' makes stage 3 the cross-entropy to the dense argmax; neither beat the defaults on "
+            "WikiText-2 (bench/results/parse-log.md, session 36)",
     "training": "warm start: per matrix, ridge regression of each component's relative gain −a/Y on the "
                 "standardized x̄ (ridge strength picked from a grid by held-out loss); then layer-local STE; "
                 "then end-to-end STE (KD). Stages 1-2 keep, per matrix, the best of {static first-K, warm "
@@ -209,8 +212,9 @@ class TrainConfig:
     kd_batch: int = 8  # windows per end-to-end (KD) step
     kd_lr: float = 1e-4
     kd_eval: int = 64  # held-out windows scored for the end-to-end stage's early stopping
-    kd_scope: str = "window"  # positions the KD loss scores: "window" (every token) | "continuation" (the
-    # positions predicting tokens after the first prompt_len, as `rankserve eval --prompt-len` scores them)
+    loss_scope: str = "window"  # positions both training losses score: "window" (every token) | "continuation"
+    # (from position prompt_len - 1, the one predicting the first token after the prompt, as `rankserve eval
+    # --prompt-len` scores): the layer-local statistics and the KD term alike
     kd_loss: str = "kl"  # "kl": KL(dense ‖ PARSE); "argmax": cross-entropy to the dense model's argmax token
     # (hard-label distillation: what top-1 agreement counts)
     save_every: int = 50  # steps between resumable train-state writes
@@ -222,12 +226,17 @@ class TrainConfig:
             raise ValueError(f"holdout must be in [0, 1), got {self.holdout}")
         if self.windows < 2 or self.batch_size < 1 or self.sample_tokens < 1:
             raise ValueError("windows must be >= 2, batch_size and sample_tokens >= 1")
-        if self.kd_scope not in ("window", "continuation"):
-            raise ValueError(f"kd_scope must be 'window' or 'continuation', got {self.kd_scope!r}")
-        if self.kd_scope == "continuation" and self.prompt_len == self.window:
-            raise ValueError("kd_scope 'continuation' needs prompt_len < window (no continuation to score)")
+        if self.loss_scope not in ("window", "continuation"):
+            raise ValueError(f"loss_scope must be 'window' or 'continuation', got {self.loss_scope!r}")
+        if self.loss_scope == "continuation" and self.prompt_len == self.window:
+            raise ValueError("loss_scope 'continuation' needs prompt_len < window (no continuation to score)")
         if self.kd_loss not in ("kl", "argmax"):
             raise ValueError(f"kd_loss must be 'kl' or 'argmax', got {self.kd_loss!r}")
+
+    @property
+    def loss_from(self) -> int:
+        """The first window position the losses score (loss_scope)."""
+        return self.prompt_len - 1 if self.loss_scope == "continuation" else 0
 
 
 @dataclass
@@ -248,7 +257,7 @@ class RouterData:
     Y: dict[str, torch.Tensor]
     zs: dict[str, torch.Tensor]
     G_off: dict[str, torch.Tensor]
-    scale: float  # window / sample_tokens: rescales the sampled cross term to the whole window
+    scale: float  # scored positions / sample_tokens: rescales the sampled cross term to the scored positions
 
     @property
     def n(self) -> int:
@@ -350,8 +359,11 @@ def _jsonl_texts(path: Path, raw: str) -> list[str]:
 
 
 def collect(model: Transformer, dense: dict[str, torch.Tensor], windows: torch.Tensor, prompt_len: int,
-            sample_tokens: int = 8, batch_size: int = 16, seed: int = 0, progress: bool = True) -> RouterData:
-    """Router inputs and loss statistics of `model` (every component on) over `windows` (P, L).
+            sample_tokens: int = 8, batch_size: int = 16, seed: int = 0, progress: bool = True,
+            loss_from: int = 0,  # the loss statistics cover window positions loss_from .. L - 1 (TrainConfig.loss_from)
+            ) -> RouterData:
+    """Router inputs (pooled over the first `prompt_len` tokens) and loss statistics of `model` (every component
+    on) over `windows` (P, L), the statistics over positions `loss_from` onward.
 
     dense {proj: W [out, in]} are the dense model's weights (on the model's device): the targets are W x on the
     same inputs x. The forwards run on the model's device; the data it returns is on the CPU (it is saved).
@@ -359,9 +371,12 @@ def collect(model: Transformer, dense: dict[str, torch.Tensor], windows: torch.T
     lins = {n: l for n, l in model.projections().items() if l.factorized}
     dev = model.embed.weight.device
     P, L = windows.shape
-    T_s = min(sample_tokens, L)
+    if not 0 <= loss_from < L:
+        raise ValueError(f"loss_from must be in [0, {L}), got {loss_from}")
+    T_s = min(sample_tokens, L - loss_from)
     gen = torch.Generator().manual_seed(seed)
-    sample = torch.stack([torch.randperm(L, generator=gen)[:T_s] for _ in range(P)])  # (P, T_s) token positions
+    sample = torch.stack([loss_from + torch.randperm(L - loss_from, generator=gen)[:T_s]
+                          for _ in range(P)])  # (P, T_s) token positions
     sample_dev = sample.to(dev)
     x = {router_input(n): torch.empty(P, lins[router_input(n)].in_features) for n in lins}
     a = {n: torch.empty(P, l.rank) for n, l in lins.items()}
@@ -383,9 +398,10 @@ def collect(model: Transformer, dense: dict[str, torch.Tensor], windows: torch.T
             if name in x:
                 x[name][rows] = xt[:, :prompt_len].mean(1).cpu()
             z = xt @ module.V.float().T  # (B, L, r)
-            y = xt @ dense[name].float().T  # (B, L, out)
+            zl, xl = z[:, loss_from:], xt[:, loss_from:]  # the positions the loss covers
+            y = xl @ dense[name].float().T  # (B, L - loss_from, out)
             G_ii = (module.U.float() ** 2).sum(0)  # (r,)
-            a[name][rows] = (G_ii * (z * z).sum(1) - 2 * (z * (xt @ UtW[name].T)).sum(1)).cpu()
+            a[name][rows] = (G_ii * (zl * zl).sum(1) - 2 * (zl * (xl @ UtW[name].T)).sum(1)).cpu()
             Y[name][rows] = (y * y).sum((1, 2)).cpu()
             if name in zs:
                 zs[name][rows] = torch.gather(z, 1, sample_dev[rows, :, None].expand(-1, -1, z.shape[-1])).cpu()
@@ -402,7 +418,7 @@ def collect(model: Transformer, dense: dict[str, torch.Tensor], windows: torch.T
     finally:
         for h in handles:
             h.remove()
-    return RouterData(windows=windows, x=x, a=a, Y=Y, zs=zs, G_off=G_off, scale=L / T_s)
+    return RouterData(windows=windows, x=x, a=a, Y=Y, zs=zs, G_off=G_off, scale=(L - loss_from) / T_s)
 
 
 # --- routers -------------------------------------------------------------------------------------
@@ -552,7 +568,7 @@ def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k:
             s = xn[router_input(n)][idx] @ params[_key(n) + "_R"].T + params[_key(n) + "_b"]  # (B, r)
             lins[n].mask = _hard(s, k[n]) if hard else ste_topk(s, k[n], cfg.temperature)
 
-    first = cfg.prompt_len - 1 if cfg.kd_scope == "continuation" else 0  # position predicting the first scored token
+    first = cfg.loss_from
 
     def kl(idx: torch.Tensor) -> torch.Tensor:
         x = data.windows[idx]  # (B, L)
@@ -792,7 +808,7 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
         if windows is None:
             windows = sample_windows(train_files, tok, train.windows, train.window, train.seed)
         data = collect(model, dense, windows, train.prompt_len, train.sample_tokens, train.collect_batch,
-                       train.seed, progress)
+                       train.seed, progress, train.loss_from)
         del dense
         data.save(data_path)
     data = data.to(device)

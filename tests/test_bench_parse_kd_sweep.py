@@ -19,9 +19,9 @@ TEXT = ROOT / "tests" / "data" / "wikitext2-raw-test-head.txt"
 
 def test_variants_parse_or_are_refused():
     assert parse_variant("none") is None
-    assert parse_variant("continuation:argmax:3e-4:1000") == ("continuation", "argmax", 3e-4, 1000)
-    for bad, match in (("continuation:kl:1e-4", "scope:loss:lr:steps"), ("prompt:kl:1e-4:10", "kd_scope"),
-                       ("window:mse:1e-4:10", "kd_loss"), ("window:kl:0:10", "positive")):
+    assert parse_variant("argmax:3e-4:1000") == ("argmax", 3e-4, 1000)
+    for bad, match in (("kl:1e-4", "loss:lr:steps"), ("continuation:kl:1e-4:10", "loss:lr:steps"),
+                       ("mse:1e-4:10", "kd_loss"), ("kl:0:10", "positive")):
         with pytest.raises(ValueError, match=match):
             parse_variant(bad)
 
@@ -29,7 +29,7 @@ def test_variants_parse_or_are_refused():
 def test_sweep_scores_every_variant_on_the_same_tokens(tmp_path):
     out = tmp_path / "sweep.json"
     assert main(["--dense", str(MODEL), "--calib-text", str(CALIB), "--train-text", str(CALIB), "--test", str(TEXT),
-                 "--variants", "none", "continuation:kl:1e-3:2", "--windows", "150", "--window", "32", "--prompt-len", "16", "--kd-eval", "8",
+                 "--variants", "none", "kl:1e-3:2", "--loss-scope", "continuation", "--windows", "150", "--window", "32", "--prompt-len", "16", "--kd-eval", "8",
                  "--max-tokens", "700",
                  "--out", str(out)]) == 0
     res = json.loads(out.read_text())["results"][0]
@@ -38,4 +38,4 @@ def test_sweep_scores_every_variant_on_the_same_tokens(tmp_path):
     assert none["dev"]["static"] == kd["dev"]["static"]  # static does not depend on the routers
     assert none["test"]["static"] == kd["test"]["static"] and none["test"]["tokens"] == kd["test"]["tokens"] > 0
     assert none["kd"] == {} and kd["kd"]["kd_steps"] == 2
-    assert "continuation:kl:1e-3:2" in out.with_suffix(".md").read_text()
+    assert res["loss_scope"] == "continuation" and "kl:1e-3:2" in out.with_suffix(".md").read_text()

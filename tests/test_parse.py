@@ -87,8 +87,10 @@ def test_ste_forward_is_hard_topk_and_gradient_reaches_the_router():
     assert torch.isfinite(R.grad).all() and R.grad.abs().sum() > 0 and b.grad.abs().sum() > 0
 
 
-def test_multilinear_loss_equals_reconstruction_error_on_hard_masks():
-    """RouterData.loss from the collected statistics == ‖U(m⊙Vx) − Wx‖² / ‖Wx‖² computed directly."""
+@pytest.mark.parametrize("loss_from", [0, 5])
+def test_multilinear_loss_equals_reconstruction_error_on_hard_masks(loss_from):
+    """RouterData.loss from the collected statistics == ‖U(m⊙Vx) − Wx‖² / ‖Wx‖² computed directly, over every
+    position of the window or from `loss_from` on (loss_scope "continuation")."""
     from rankserve.compress.parse import collect
 
     g = torch.Generator().manual_seed(1)
@@ -102,14 +104,15 @@ def test_multilinear_loss_equals_reconstruction_error_on_hard_masks():
             p.copy_(model.state_dict()[name] if name in model.state_dict() else torch.randn(p.shape, generator=g,
                                                                                              dtype=p.dtype) * 0.2)
     windows = torch.randint(0, 512, (3, 12), generator=g)
-    data = collect(pool, dense, windows, prompt_len=6, sample_tokens=12, progress=False)  # all tokens sampled: exact
+    data = collect(pool, dense, windows, prompt_len=6, sample_tokens=12, progress=False,  # all tokens sampled: exact
+                   loss_from=loss_from)
     name = "layers.1.mlp.up"
     xs = {}
     h = pool.projections()[name].register_forward_pre_hook(lambda mod, inp: xs.setdefault("x", inp[0]))
     with torch.no_grad():
         pool(windows)
     h.remove()
-    lin, x = pool.projections()[name], xs["x"]  # x (3, 12, in)
+    lin, x = pool.projections()[name], xs["x"][:, loss_from:]  # x (3, 12 - loss_from, in)
     m = (torch.rand(3, 10, generator=g) > 0.5).double()
     y = x @ dense[name].T
     direct = (((x @ lin.V.T) * m[:, None]) @ lin.U.T - y).pow(2).sum((1, 2)) / y.pow(2).sum((1, 2))
@@ -134,15 +137,15 @@ def test_train_routers_resumes_to_the_same_result(tmp_path):
     assert rep["steps"] == 6
 
 
-@pytest.mark.parametrize("bad, match", [(dict(kd_scope="prompt"), "kd_scope"), (dict(kd_loss="mse"), "kd_loss"),
-                                        (dict(kd_scope="continuation", prompt_len=32, window=32), "continuation")])
+@pytest.mark.parametrize("bad, match", [(dict(loss_scope="prompt"), "loss_scope"), (dict(kd_loss="mse"), "kd_loss"),
+                                        (dict(loss_scope="continuation", prompt_len=32, window=32), "continuation")])
 def test_kd_knobs_are_checked(bad, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig(**bad)
 
 
 def test_kd_loss_scores_the_positions_and_target_it_names():
-    """The end-to-end stage's held-out loss at its start (0 steps: the routers it was given) is, for each kd_scope and
+    """The end-to-end stage's held-out loss at its start (0 steps: the routers it was given) is, for each loss_scope and
     kd_loss, the KL to the dense model or the cross-entropy to its argmax token, over every position of the window or
     from the one predicting the first token after the prompt; computed here from the routers' hard masks directly."""
     from dataclasses import replace
@@ -170,7 +173,7 @@ def test_kd_loss_scores_the_positions_and_target_it_names():
     got = {}
     for scope, first in (("window", 0), ("continuation", cfg.prompt_len - 1)):
         for loss in ("kl", "argmax"):
-            _, _, rep = distill_routers(model, dense, data, k, R, b, 0, replace(cfg, kd_scope=scope, kd_loss=loss),
+            _, _, rep = distill_routers(model, dense, data, k, R, b, 0, replace(cfg, loss_scope=scope, kd_loss=loss),
                                         progress=False)
             got[scope, loss] = rep["kd_heldout_kl_start"]
             assert got[scope, loss] == pytest.approx(float(per_pos[loss][:, first:].mean()), rel=1e-5)
