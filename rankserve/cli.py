@@ -430,6 +430,10 @@ def train_parse_cmd(
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="windows per layer-local step (default 64)"),
     kd_batch: Optional[int] = typer.Option(None, "--kd-batch", help="windows per end-to-end step (default 8)"),
     seed: Optional[int] = typer.Option(None, "--seed", help="window sampling and batch order (default 0)"),
+    loss_scope: Optional[str] = typer.Option(None, "--loss-scope", help="positions the training losses score: "
+                                             "window (every token, the default) or continuation (after the prompt)"),
+    kd_loss: Optional[str] = typer.Option(None, "--kd-loss", help="end-to-end loss: kl (to the dense model, the "
+                                          "default) or argmax (cross-entropy to the dense argmax token)"),
     group_size: int = typer.Option(2, "--group-size", help="basis-sharing: consecutive layers per shared basis"),
     work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="resumable intermediates (default: "
                                             ".OUT.parse-work next to OUT, removed after success)"),
@@ -478,7 +482,7 @@ def train_parse_cmd(
             read_config(pool)
         check_out_dir(out)
         knobs = dict(windows=windows, window=window, prompt_len=prompt_len, batch_size=batch_size, kd_batch=kd_batch,
-                     seed=seed)
+                     seed=seed, loss_scope=loss_scope, kd_loss=kd_loss)
         train = TrainConfig(**{k: v for k, v in knobs.items() if v is not None})
         check_work_dir(work)  # never delete or mix into a foreign dir
         discard = is_work_dir(work) and not resume  # build_parse_checkpoint deletes it once every input is checked
