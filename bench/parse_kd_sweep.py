@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from rankserve.bench.parse_paired import paired_scores
+from rankserve.bench.parse_paired import interval_cells, paired_scores
 from rankserve.compress.fidelity import parse_masks
 from rankserve.compress.parse import (TrainConfig, build_pool, collect, distill_routers, sample_windows,
                                       stored_dtype, train_routers)
@@ -143,7 +143,7 @@ def markdown(results: list[dict]) -> str:
             lines.append(f"| {res['base']} | {res['loss_scope']} | {r['variant']} | {r['kd'].get('kd_kept', '-')} | "
                          f"{d['nll']:+.4f} / {d['kl']:+.4f} / {d['top1']:+.4f} | "
                          f"{r['test']['static']['perplexity']:.2f} / {r['test']['static']['top1_agreement']:.4f} | "
-                         f"{t['nll']:+.4f} ± {t['nll_ci95']:.4f} | {t['top1']:+.4f} ± {t['top1_ci95']:.4f} |")
+                         f"{interval_cells(t)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -71,6 +71,11 @@ def paired_scores(model: Transformer, ref: Transformer, routers: Routers, tok: T
     return out
 
 
+def interval_cells(d: dict) -> str:
+    """Two table cells: Δ NLL and Δ top-1 of a `route_minus_static` dict, each with its 95 % half-width."""
+    return f"{d['nll']:+.4f} ± {d['nll_ci95']:.4f} | {d['top1']:+.4f} ± {d['top1_ci95']:.4f}"
+
+
 def markdown(results: list[dict]) -> str:
     lines = ["| checkpoint | windows / tokens | static: perplexity / top-1 | route: perplexity / top-1 | Δ NLL (95 %) "
              "| Δ top-1 (95 %) | windows route / static lower |", "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -79,8 +84,7 @@ def markdown(results: list[dict]) -> str:
         lines.append(f"| {Path(r['checkpoint']).name} | {r['windows']} / {r['tokens']} | "
                      f"{r['static']['perplexity']:.2f} / {r['static']['top1_agreement']:.4f} | "
                      f"{r['route']['perplexity']:.2f} / {r['route']['top1_agreement']:.4f} | "
-                     f"{d['nll']:+.4f} ± {d['nll_ci95']:.4f} | {d['top1']:+.4f} ± {d['top1_ci95']:.4f} | "
-                     f"{d['windows_route_lower_nll']} / {d['windows_static_lower_nll']} |")
+                     f"{interval_cells(d)} | {d['windows_route_lower_nll']} / {d['windows_static_lower_nll']} |")
     return "\n".join(lines) + "\n"
 
 
