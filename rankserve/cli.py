@@ -533,7 +533,8 @@ def train_parse_cmd(
             human += f"\n  held-out relative error: static {err['static']:.4f}, routers {err['router']:.4f}"
         if info["kd_heldout_kl"] is not None:  # the start is unknown to a resumed end-to-end stage
             start = info["kd_heldout_kl_start"]
-            human += f"; KL to dense {'' if start is None else f'{start:.4f} -> '}{info['kd_heldout_kl']:.4f}"
+            what = "cross-entropy to the dense argmax" if train.kd_loss == "argmax" else "KL to dense"
+            human += f"; {what} {'' if start is None else f'{start:.4f} -> '}{info['kd_heldout_kl']:.4f}"
         _emit(as_json, info, human)
 
     _run(body)
