@@ -1,8 +1,10 @@
 """Calibration statistics: the Gram matrix XᵀX of every projection's input, from a text file.
 
 The file is streamed: read in chunks of lines, tokenized chunk by chunk, cut into windows of `seq_len`
-tokens (the first starts with BOS), run through the model `batch_size` windows at a time. Forward hooks
-on the projections add xᵀx (fp64) of their input. q/k/v read one input and gate/up read one input, so
+tokens (the first starts with BOS), and run through the model one decoder layer at a time over all windows
+(`batch_size` windows a forward), their hidden states kept between layers: a GPU then needs one layer, its
+Grams and the hidden states, never the whole model (`layer_grams`). Forward hooks on the projections add xᵀx
+(fp64) of their input. q/k/v read one input and gate/up read one input, so
 each layer has four distinct inputs; `CalibStats.grams` names every projection, and the members of one
 input share one tensor (the same object).
 
@@ -23,7 +25,7 @@ from typing import Iterator
 import torch
 from tqdm import tqdm
 
-from rankserve.workers.model import Transformer, proj_name
+from rankserve.workers.model import CAUSAL, Transformer, proj_name
 from rankserve.workers.tokenizer import Tokenizer
 
 # the projection whose input hook feeds each projection's Gram (q/k/v and gate/up read the same x)
@@ -43,12 +45,28 @@ def calibrate(model: Transformer, tokenizer: Tokenizer, text_path: str | Path,
               max_tokens: int = 131072,  # stop after this many tokens (SVD-LLM uses 256 x 2048 on LLaMA-7B)
               seq_len: int | None = None,  # window length; None = min(2048, the model's context)
               batch_size: int = 8,  # windows per forward
-              progress: bool = True) -> CalibStats:
+              progress: bool = True,
+              device: str | torch.device | None = None,  # where the layers run; None = the model's device
+              ) -> CalibStats:
     """Accumulate XᵀX of every projection input of `model` over the first `max_tokens` tokens of a text file.
+
+    The model runs one decoder layer at a time over every window (`layer_grams`): with the model on the CPU and
+    `device` a GPU, the GPU holds one layer, its Grams and the windows' hidden states, not the whole model.
 
     Raises ValueError when the file is missing, empty, or gives fewer tokens than the widest projection
     input (every Gram would then be singular: whitening needs at least `in` independent tokens).
     """
+    batches, seq_len = calibration_batches(model, tokenizer, text_path, max_tokens, seq_len, batch_size, progress)
+    grams: dict[str, torch.Tensor] = {}
+    for layer in layer_grams(model, batches, device, progress, desc=f"calibrate {Path(text_path).name}"):
+        grams.update(layer)
+    return CalibStats(grams=grams, tokens=sum(b.numel() for b in batches), seq_len=seq_len, source=str(text_path))
+
+
+def calibration_batches(model: Transformer, tokenizer: Tokenizer, text_path: str | Path, max_tokens: int,
+                        seq_len: int | None, batch_size: int, progress: bool = True) -> tuple[list[torch.Tensor], int]:
+    """The calibration windows as (B, S) token batches (on the CPU), and the window length; every check of
+    `calibrate`'s arguments and text happens here, before any layer runs."""
     cfg = model.cfg
     seq_len = seq_len or min(2048, cfg.max_position_embeddings)
     if not 1 <= seq_len <= cfg.max_position_embeddings:
@@ -62,46 +80,68 @@ def calibrate(model: Transformer, tokenizer: Tokenizer, text_path: str | Path,
     path = Path(text_path)
     if not path.is_file():
         raise ValueError(f"calibration text {path} does not exist or is not a file")
-    device = model.embed.weight.device
-    grams: dict[str, torch.Tensor] = {}
-    handles = []
-    for i, blk in enumerate(model.layers):
-        for p in ("q", "o", "gate", "down"):
-            layer = getattr(blk.attn if p in ("q", "o") else blk.mlp, p)
-            g = torch.zeros(layer.in_features, layer.in_features, dtype=torch.float64, device=device)
-            for member, src in INPUT_OF.items():
-                if src == p:
-                    grams[proj_name(i, member)] = g
-            handles.append(layer.register_forward_hook(_accumulate(g)))
-    tokens = 0
-    bar = tqdm(total=max_tokens, unit="tok", desc=f"calibrate {path.name}", disable=not progress)
-    try:
-        with torch.inference_mode():
-            for batch in _batches(_windows(_token_stream(path, tokenizer), seq_len, max_tokens), batch_size):
-                model(batch.to(device))  # (B, S) -> hooks add xᵀx; logits are discarded
-                tokens += batch.numel()
-                bar.update(batch.numel())
-        if tokens < max_tokens:  # the text ran out first: say so rather than leave the bar short of its end
-            bar.total = tokens
-            bar.refresh()
-            if progress and tokens:
-                tqdm.write(f"calibration text {path.name} gives {tokens} tokens (of the {max_tokens} allowed)",
-                           file=sys.stderr)  # stdout stays the command's own output
-    finally:
-        bar.close()
-        for h in handles:
-            h.remove()
+    batches = list(_batches(_windows(_token_stream(path, tokenizer), seq_len, max_tokens), batch_size))
+    tokens = sum(b.numel() for b in batches)
     if tokens == 0:
         raise ValueError(f"calibration text {path} is empty (it gives no tokens); pass a text file with content")
     if tokens < widest:
         raise ValueError(f"calibration text {path} gives only {tokens} tokens; at least {widest} are needed "
                          f"(the widest projection input) and thousands are better — pass a longer text")
-    on_cpu: dict[int, torch.Tensor] = {}  # move each distinct Gram once, keeping the members' aliasing
-    for g in grams.values():
-        if id(g) not in on_cpu:
-            on_cpu[id(g)] = g.cpu()
-    grams = {k: on_cpu[id(g)] for k, g in grams.items()}
-    return CalibStats(grams=grams, tokens=tokens, seq_len=seq_len, source=str(path))
+    if tokens < max_tokens and progress:  # the text ran out first: say so
+        tqdm.write(f"calibration text {path.name} gives {tokens} tokens (of the {max_tokens} allowed)",
+                   file=sys.stderr)  # stdout stays the command's own output
+    return batches, seq_len
+
+
+@torch.inference_mode()
+def layer_grams(model: Transformer, batches: list[torch.Tensor], device: str | torch.device | None = None,
+                progress: bool = True, desc: str = "calibrate") -> Iterator[dict[str, torch.Tensor]]:
+    """Layer by layer, {projection name: XᵀX (in, in) fp64 on the CPU} of that layer's seven projections (the
+    members of one input share one tensor), from running every batch through the layers in turn.
+
+    The windows' hidden states (tokens x hidden) stay on `device` between layers; each decoder layer is moved
+    there for its pass and back after it, so the device never holds more than one layer's weights and Grams.
+    Every window starts at position 0 with no padding: the same attention as the model's own forward.
+    """
+    home = model.embed.weight.device
+    dev = torch.device(device) if device is not None else home
+    hidden = [model.embed(b.to(home)).to(dev) for b in batches]  # [(B, S, hidden)] in the model's dtype
+    ropes = {}
+    for b in batches:  # (S, D) tables per distinct window length
+        S = b.shape[1]
+        if S not in ropes:
+            ropes[S] = (model.rope_cos[:S].to(dev), model.rope_sin[:S].to(dev))
+    bar = tqdm(total=len(model.layers), unit="layer", desc=desc, disable=not progress)
+    try:
+        for i, blk in enumerate(model.layers):
+            moved = dev != home
+            if moved:
+                blk.to(dev)
+            grams: dict[str, torch.Tensor] = {}
+            handles = []
+            for p in ("q", "o", "gate", "down"):
+                layer = getattr(blk.attn if p in ("q", "o") else blk.mlp, p)
+                grams[p] = torch.zeros(layer.in_features, layer.in_features, dtype=torch.float64, device=dev)
+                handles.append(layer.register_forward_hook(_accumulate(grams[p])))
+            try:
+                for j, x in enumerate(hidden):  # x (B, S, hidden) -> the layer's output
+                    B, S = x.shape[:2]
+                    pos = torch.arange(S, device=dev)[None].expand(B, S)
+                    cos, sin = (t[None].expand(B, S, -1) for t in ropes[S])  # (B, S, D)
+                    valid = torch.ones(B, S, dtype=torch.bool, device=dev)
+                    out = blk(x, cos, sin, i, None, pos, valid, CAUSAL)
+                    hidden[j] = out if i + 1 < len(model.layers) else x  # the last layer's output is not needed
+            finally:
+                for h in handles:
+                    h.remove()
+                if moved:
+                    blk.to(home)
+            on_cpu = {p: g.cpu() for p, g in grams.items()}
+            del grams
+            bar.update(1)
+            yield {proj_name(i, member): on_cpu[src] for member, src in INPUT_OF.items()}
+    finally:
+        bar.close()
 
 
 def _accumulate(g: torch.Tensor):

@@ -21,7 +21,11 @@ Methods (W ≈ U V, y = U (V x)):
                  of one layer is private.
 
 A factorized source model is multiplied out (U V) first and factorized afresh from the dense weights.
-Calibration statistics come from `compress.calibrate` over the source model as it is.
+Calibration statistics come from `compress.calibrate` over the source model as it is. `compress_model` keeps the
+source on the CPU and streams: `device` runs one decoder layer's calibration pass at a time, and each job (a
+private projection, or a Basis Sharing group once its last layer's Grams are in) is whitened and factorized there
+as soon as it can be (`Factorizer`), its Grams then dropped. The GPU holds one layer, one job and the calibration
+windows' hidden states; the host holds the fp32 source and the output.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from rankserve.compress.calibrate import CalibStats, calibrate
+from rankserve.compress.calibrate import CalibStats, calibration_batches, layer_grams
 from rankserve.workers.checkpoint import (Manifest, check_out_dir, count_params, load_checkpoint,
                                          save_checkpoint)
 from rankserve.workers.model import PROJS, Transformer, proj_name
@@ -173,19 +177,34 @@ def compress_model(model_dir: str | Path, out_dir: str | Path, method: str,
             raise ValueError(f"calibration text {calib_text} is empty; pass a text file with content")
     out_dir = check_out_dir(out_dir)  # exists, or cannot be created: refused before the work
 
-    src, src_manifest = load_checkpoint(model_dir, device)
+    # the source stays on the CPU: `device` sees one decoder layer (calibration) and one matrix (factors) at a time
+    src, src_manifest = load_checkpoint(model_dir, "cpu")
     store_dtype = src.embed.weight.dtype
     src = src.float()
     cfg = src.cfg
     dense = {name: lin.dense_weight().detach() for name, lin in src.projections().items()}  # W (out, in) fp32
     ranks, groups = plan_factors(cfg, method, keep, group_size)
 
-    stats: CalibStats | None = None
-    if needs_calib and any(r is not None for r in ranks.values()):
-        stats = calibrate(src, Tokenizer.load(model_dir), calib_text, max_tokens=calib_tokens,
-                          seq_len=calib_seq_len, batch_size=calib_batch_size, progress=progress)
-
-    model, kinds = factorized(src, dense, stats, method, ranks, groups, progress, device)
+    calibrated = needs_calib and any(r is not None for r in ranks.values())
+    if calibrated:  # the text is tokenized and checked before any work
+        batches, seq_len = calibration_batches(src, Tokenizer.load(model_dir), calib_text, calib_tokens,
+                                               calib_seq_len, calib_batch_size, progress)
+    model = _with_head(src, ranks, groups, "cpu")
+    filler = Factorizer(model, dense, method, ranks, groups, device, progress)
+    try:
+        if calibrated:
+            grams: dict[str, torch.Tensor] = {}
+            for layer in layer_grams(src, batches, device, progress, desc=f"calibrate {Path(calib_text).name}"):
+                grams.update(layer)
+                for name in filler.run(grams):  # every job whose Grams are all in; theirs are not needed again
+                    grams.pop(name, None)
+        filler.run(None)  # the rest: dense copies, and everything of plain svd
+    finally:
+        filler.close()
+    filler.check_done()
+    calibration = None
+    if calibrated:
+        calibration = {"text": Path(calib_text).name, "tokens": sum(b.numel() for b in batches), "seq_len": seq_len}
 
     kept, total = count_params(cfg, ranks, groups)
     provenance = {"method": method, "keep_requested": keep, "keep_achieved": round(kept / total, 6),
@@ -194,9 +213,9 @@ def compress_model(model_dir: str | Path, out_dir: str | Path, method: str,
     if method == "basis-sharing":
         provenance["group_size"] = group_size
         provenance["shared"] = list(SHARED)
-    if stats is not None:
-        provenance["calibration"] = {"text": Path(stats.source).name, "tokens": stats.tokens, "seq_len": stats.seq_len}
-        provenance["whitening"] = kinds
+    if calibration is not None:
+        provenance["calibration"] = calibration
+        provenance["whitening"] = filler.kinds
     manifest = Manifest(family=method, ranks={}, source=Path(model_dir).name, provenance=provenance)
     return save_checkpoint(out_dir, model, manifest, tokenizer_dir=model_dir, dtype=store_dtype)
 
@@ -204,17 +223,29 @@ def compress_model(model_dir: str | Path, out_dir: str | Path, method: str,
 def factorized(src: Transformer, dense: dict[str, torch.Tensor], stats: CalibStats | None, method: str,
                ranks: dict[str, int | None], groups: dict[str, list[str]], progress: bool = True,
                device: str = "cpu") -> tuple[Transformer, dict[str, int]]:
-    """A model with src's embeddings, norms and head and every projection factorized by `method` at `ranks`
-    (dense where None) from the dense weights W (out, in) and the calibration statistics; and the count of each
-    whitening kind used. The plan (ranks, groups) is `plan_factors`'."""
+    """A model on `device` with src's embeddings, norms and head and every projection factorized by `method` at
+    `ranks` (dense where None) from the dense weights W (out, in) and the calibration statistics; and the count
+    of each whitening kind used. The plan (ranks, groups) is `plan_factors`'."""
+    model = _with_head(src, ranks, groups, device)
+    filler = Factorizer(model, dense, method, ranks, groups, device, progress)
+    try:
+        filler.run(None if stats is None else stats.grams, all_in=True)
+    finally:
+        filler.close()
+    filler.check_done()
+    return model, filler.kinds
+
+
+def _with_head(src: Transformer, ranks: dict[str, int | None], groups: dict[str, list[str]],
+               device: str) -> Transformer:
+    """An fp32 model of src's shape at `ranks` on `device`, holding src's embeddings, norms and head."""
     model = Transformer(src.cfg, ranks, groups, device=device)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, t in src.state_dict().items():  # embeddings, norms, head
             if name.startswith(("embed.", "norm.", "lm_head.")) or name.endswith("_norm.weight"):
                 params[name].copy_(t)
-        kinds = _fill_projections(model, dense, stats, method, ranks, groups, progress)
-    return model, kinds
+    return model
 
 
 def plan_factors(cfg, method: str, keep: float, group_size: int) -> tuple[dict[str, int | None], dict[str, list[str]]]:
@@ -238,38 +269,75 @@ def plan_factors(cfg, method: str, keep: float, group_size: int) -> tuple[dict[s
     return ranks, groups
 
 
-def _fill_projections(model: Transformer, dense: dict[str, torch.Tensor], stats: CalibStats | None, method: str,
-                      ranks: dict[str, int | None], groups: dict[str, list[str]], progress: bool) -> dict[str, int]:
-    """Compute and copy every projection's factors (or dense weight) into `model`; count whitening kinds."""
-    lins = model.projections()
-    grouped = {m for members in groups.values() for m in members}
-    cache: dict[tuple[int, ...], Whitening] = {}  # one whitening per distinct (summed) input Gram
-    kinds: dict[str, int] = {}
+class Factorizer:
+    """Computes and copies every projection's factors (or dense weight) into `model`, a job at a time: a Basis
+    Sharing group, or one private projection. The work runs on `device` (W and its Gram moved there one job at a
+    time), the results land wherever `model` lives. `kinds` counts the whitening kinds used."""
 
-    def whitening(members: list[str]) -> Whitening:
-        key = tuple(id(stats.grams[m]) for m in members)
-        if key not in cache:  # on the weights' device (calibrate returns the Grams on the CPU)
-            cache[key] = whiten(sum(stats.grams[m] for m in members).to(dense[members[0]].device))
-            kinds[cache[key].kind] = kinds.get(cache[key].kind, 0) + 1
+    def __init__(self, model: Transformer, dense: dict[str, torch.Tensor], method: str,
+                 ranks: dict[str, int | None], groups: dict[str, list[str]], device: str, progress: bool) -> None:
+        self.lins, self.dense, self.method, self.ranks = model.projections(), dense, method, ranks
+        self.device = torch.device(device)
+        grouped = {m for members in groups.values() for m in members}
+        self.pending: list[tuple[str, list[str]]] = [("group", m) for m in groups.values()]
+        self.pending += [("private", [n]) for n in self.lins if n not in grouped]
+        self.kinds: dict[str, int] = {}
+        self.bar = tqdm(total=len(self.pending), desc=f"factorize ({method})", unit="proj", disable=not progress)
+
+    def _needs_gram(self, kind: str, members: list[str]) -> bool:
+        return self.method != "svd" and (kind == "group" or self.ranks[members[0]] is not None)
+
+    def run(self, grams: dict[str, torch.Tensor] | None, all_in: bool = False) -> list[str]:
+        """Do every pending job whose members' Grams are all in `grams` (None: only jobs that need none), or
+        every job with `all_in`; returns the members done."""
+        cache: dict[tuple[int, ...], Whitening] = {}  # one whitening per distinct (summed) input Gram
+        done: list[str] = []
+        for kind, members in list(self.pending):
+            needs = self._needs_gram(kind, members)
+            if needs and not all_in and (grams is None or any(m not in grams for m in members)):
+                continue
+            if needs and grams is None:
+                raise ValueError(f"method {self.method!r} needs calibration statistics for {members[0]}")
+            self._job(kind, members, grams, cache)
+            self.pending.remove((kind, members))
+            done += members
+            self.bar.update(1)
+        return done
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def check_done(self) -> None:
+        if self.pending:
+            raise RuntimeError(f"{len(self.pending)} projections were never factorized (first: "
+                               f"{self.pending[0][1][0]}): their calibration statistics did not arrive")
+
+    def _whitening(self, members: list[str], grams: dict[str, torch.Tensor],
+                   cache: dict[tuple[int, ...], Whitening]) -> Whitening:
+        key = tuple(id(grams[m]) for m in members)
+        if key not in cache:
+            cache[key] = whiten(sum(grams[m].to(self.device) for m in members))
+            self.kinds[cache[key].kind] = self.kinds.get(cache[key].kind, 0) + 1
         return cache[key]
 
-    jobs: list[tuple[str, list[str]]] = [("group", m) for m in groups.values()]
-    jobs += [("private", [n]) for n in lins if n not in grouped]
-    for kind, members in tqdm(jobs, desc=f"factorize ({method})", unit="proj", disable=not progress):
+    @torch.no_grad()
+    def _job(self, kind: str, members: list[str], grams: dict[str, torch.Tensor] | None,
+             cache: dict[tuple[int, ...], Whitening]) -> None:
+        W = {m: self.dense[m].to(self.device) for m in members}
         if kind == "group":
-            V, Us = shared_basis_factors([dense[m] for m in members], whitening(members), ranks[members[0]])
-            lins[members[0]].V.copy_(V)  # the group's one Parameter
+            V, Us = shared_basis_factors([W[m] for m in members], self._whitening(members, grams, cache),
+                                         self.ranks[members[0]])
+            self.lins[members[0]].V.copy_(V)  # the group's one Parameter
             for m, U in zip(members, Us):
-                lins[m].U.copy_(U)
-            continue
-        name, r = members[0], ranks[members[0]]
+                self.lins[m].U.copy_(U)
+            return
+        name, r = members[0], self.ranks[members[0]]
         if r is None:
-            lins[name].weight.copy_(dense[name])
-            continue
-        if method == "svd":
-            U, V = svd_factors(dense[name], r)
+            self.lins[name].weight.copy_(W[name])
+            return
+        if self.method == "svd":
+            U, V = svd_factors(W[name], r)
         else:
-            U, V = svd_llm_factors(dense[name], whitening([name]), r)
-        lins[name].U.copy_(U)
-        lins[name].V.copy_(V)
-    return kinds
+            U, V = svd_llm_factors(W[name], self._whitening([name], grams, cache), r)
+        self.lins[name].U.copy_(U)
+        self.lins[name].V.copy_(V)

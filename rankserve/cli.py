@@ -190,7 +190,8 @@ def compress_cmd(
     calib_tokens: int = typer.Option(32768, "--calib-tokens", help="calibration tokens to read at most"),
     group_size: int = typer.Option(2, "--group-size", help="basis-sharing: consecutive layers per shared basis"),
     device: str = typer.Option("cpu", "--device", help="where calibration and the SVDs run: cpu, or cuda[:N] for a "
-                               "large model (fp32 weights, fp64 factors either way)"),
+                               "large model (the model stays in host memory, fp32; the GPU holds one layer at a "
+                               "time; fp64 factors either way)"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Factorize a model's decoder linears (plain SVD, SVD-LLM whitening, or Basis Sharing)."""

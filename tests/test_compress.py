@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from rankserve.compress.calibrate import calibrate
+from rankserve.compress.calibrate import INPUT_OF, _accumulate, calibrate, calibration_batches
 from rankserve.compress.evaluate import perplexity
-from rankserve.compress.factorize import (compress_model, rank_for, shared_basis_factors, shared_rank_for,
+from rankserve.compress.factorize import (compress_model, factorized, rank_for, shared_basis_factors, shared_rank_for,
                                           svd_factors, svd_llm_factors, whiten)
 from rankserve.workers.checkpoint import CheckpointError, Manifest, load_checkpoint, save_checkpoint
 from rankserve.workers.config import ModelConfig
@@ -136,7 +136,7 @@ def test_shared_basis_full_rank_reproduces_members():
 
 # --- calibration -----------------------------------------------------------------------------------
 def test_a_short_calibration_text_is_reported(tiny_dir, tmp_path, capsys):
-    """Fewer tokens than allowed: the bar ends at what was read, and a line says how many."""
+    """Fewer tokens than allowed: a line says how many; the bar counts the layers run over them."""
     model, _ = load_checkpoint(tiny_dir)
     tok = Tokenizer.load(tiny_dir)
     short = tmp_path / "short.txt"
@@ -145,7 +145,7 @@ def test_a_short_calibration_text_is_reported(tiny_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert 0 < stats.tokens < 100_000
     assert f"calibration text short.txt gives {stats.tokens} tokens (of the 100000 allowed)" in err
-    assert f"{stats.tokens}/{stats.tokens}" in err
+    assert f"{model.cfg.num_hidden_layers}/{model.cfg.num_hidden_layers}" in err
 
 
 def test_calibration_grams(tiny_dir):
@@ -162,6 +162,46 @@ def test_calibration_grams(tiny_dir):
         x = model.layers[0].attn_norm(model.embed(ids)).double()
     assert _rel(g[proj_name(0, "q")], x.T @ x) < 1e-5
     assert all(t.dtype == torch.float64 for t in g.values())
+
+
+def test_layer_by_layer_grams_equal_the_whole_model_forward(tiny_dir):
+    """calibrate runs one layer at a time over every window; its Grams are the hooks' on the model's own forward,
+    to the bit, windows of two lengths included."""
+    model, _ = load_checkpoint(tiny_dir)
+    tok = Tokenizer.load(tiny_dir)
+    stats = calibrate(model, tok, CALIB, max_tokens=1000, seq_len=128, batch_size=3, progress=False)
+    batches, _ = calibration_batches(model, tok, CALIB, 1000, 128, 3)
+    assert [tuple(b.shape) for b in batches] == [(3, 128), (3, 128), (1, 128), (1, 104)]
+    ref, handles = {}, []
+    for i, blk in enumerate(model.layers):
+        for p in ("q", "o", "gate", "down"):
+            lin = getattr(blk.attn if p in ("q", "o") else blk.mlp, p)
+            ref[proj_name(i, p)] = torch.zeros(lin.in_features, lin.in_features, dtype=torch.float64)
+            handles.append(lin.register_forward_hook(_accumulate(ref[proj_name(i, p)])))
+    with torch.inference_mode():
+        for b in batches:
+            model(b)
+    for h in handles:
+        h.remove()
+    for name, g in stats.grams.items():
+        layer, proj = name.split(".")[1], name.rsplit(".", 1)[1]
+        assert torch.equal(g, ref[proj_name(int(layer), INPUT_OF[proj])]), name
+
+
+def test_streamed_compress_equals_factorizing_the_whole_statistics(tiny_dir, tmp_path):
+    """compress_model factorizes each layer as soon as its Grams are in (basis-sharing: when the group's last layer's
+    are); the factors are those of `factorized` over the whole statistics."""
+    out = compress_model(tiny_dir, tmp_path / "bs", "basis-sharing", 0.6, calib_text=CALIB, calib_tokens=2048,
+                         calib_seq_len=128, progress=False)
+    streamed, man = load_checkpoint(out, dtype=torch.float32)
+    src, _ = load_checkpoint(tiny_dir, dtype=torch.float32)
+    stats = calibrate(src, Tokenizer.load(tiny_dir), CALIB, max_tokens=2048, seq_len=128, progress=False)
+    dense = {n: lin.dense_weight() for n, lin in src.projections().items()}
+    whole, kinds = factorized(src, dense, stats, "basis-sharing", man.ranks, man.groups, progress=False)
+    assert man.provenance["whitening"] == kinds
+    ours = dict(streamed.named_parameters())
+    for name, p in whole.named_parameters():
+        assert torch.equal(ours[name], p.to(ours[name].dtype)), name  # both stored at the source's dtype
 
 
 # --- the pipeline on a random model ----------------------------------------------------------------
