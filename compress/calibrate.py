@@ -99,13 +99,20 @@ def layer_grams(model: Transformer, batches: list[torch.Tensor], device: str | t
     """Layer by layer, {projection name: XᵀX (in, in) fp64 on the CPU} of that layer's seven projections (the
     members of one input share one tensor), from running every batch through the layers in turn.
 
-    The windows' hidden states (tokens x hidden) stay on `device` between layers; each decoder layer is moved
-    there for its pass and back after it, so the device never holds more than one layer's weights and Grams.
+    The windows' hidden states (tokens x hidden) stay on `device` between layers (in the model's memory instead,
+    a batch at a time visiting the device, when they would take more than a quarter of a GPU's free memory); each
+    decoder layer is moved there for its pass and back after it, so the device never holds more than one layer's
+    weights and Grams.
     Every window starts at position 0 with no padding: the same attention as the model's own forward.
     """
     home = model.embed.weight.device
     dev = torch.device(device) if device is not None else home
-    hidden = [model.embed(b.to(home)).to(dev) for b in batches]  # [(B, S, hidden)] in the model's dtype
+    keep_on = dev  # where the hidden states wait between layers
+    if dev.type == "cuda" and dev != home:
+        need = sum(b.numel() for b in batches) * model.cfg.hidden_size * model.embed.weight.element_size()
+        if need > torch.cuda.mem_get_info(dev)[0] // 4:  # many calibration tokens: they wait in host memory
+            keep_on = home
+    hidden = [model.embed(b.to(home)).to(keep_on) for b in batches]  # [(B, S, hidden)] in the model's dtype
     ropes = {}
     for b in batches:  # (S, D) tables per distinct window length
         S = b.shape[1]
@@ -129,8 +136,9 @@ def layer_grams(model: Transformer, batches: list[torch.Tensor], device: str | t
                     pos = torch.arange(S, device=dev)[None].expand(B, S)
                     cos, sin = (t[None].expand(B, S, -1) for t in ropes[S])  # (B, S, D)
                     valid = torch.ones(B, S, dtype=torch.bool, device=dev)
-                    out = blk(x, cos, sin, i, None, pos, valid, CAUSAL)
-                    hidden[j] = out if i + 1 < len(model.layers) else x  # the last layer's output is not needed
+                    out = blk(x.to(dev), cos, sin, i, None, pos, valid, CAUSAL)
+                    if i + 1 < len(model.layers):  # the last layer's output is not needed
+                        hidden[j] = out.to(keep_on)
             finally:
                 for h in handles:
                     h.remove()
