@@ -107,6 +107,16 @@ def compare_parse(device: str, tmp: Path, calib_tokens: int) -> dict[str, Any]:
                 router_pick_overlap_min=round(min(overlaps), 4), prompts=len(PROMPTS))
 
 
+def usable(device: str, prog: str) -> bool:
+    """Whether tensors can live on `device`; if not, says so on stderr."""
+    try:
+        torch.empty(0, device=device)
+        return True
+    except (RuntimeError, AssertionError, ValueError):
+        print(f"{prog}: --device {device!r} is not usable here", file=sys.stderr)
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rankserve.bench.offline_device", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=Path)
@@ -116,10 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", type=float, default=0.6)
     ap.add_argument("--calib-tokens", type=int, default=32768)
     a = ap.parse_args(argv)
-    try:
-        torch.empty(0, device=a.device)
-    except (RuntimeError, AssertionError, ValueError):
-        print(f"offline_device: --device {a.device!r} is not usable here", file=sys.stderr)
+    if not usable(a.device, "offline_device"):
         return 2
     if not a.calib.is_file() or not 0 < a.keep <= 1:
         print(f"offline_device: --calib {a.calib} must be a file and --keep in (0, 1]", file=sys.stderr)

@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from rankserve.bench.decode import build_model, write_json
+from rankserve.bench.offline_device import usable
 from rankserve.compress.calibrate import calibrate
 from rankserve.compress.factorize import compress_model
 from rankserve.compress.parse import TrainConfig, build_parse_checkpoint
@@ -144,10 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parse-kd-steps", type=int, default=5)
     ap.add_argument("--tmp", type=Path, default=None, help="where the checkpoints go (default: a temp dir)")
     a = ap.parse_args(argv)
-    try:
-        torch.empty(0, device=a.device)
-    except (RuntimeError, AssertionError, ValueError):
-        print(f"offline_scale: --device {a.device!r} is not usable here", file=sys.stderr)
+    if not usable(a.device, "offline_scale"):
         return 2
     if not a.calib.is_file() or not 0 < a.keep <= 1 or min(a.layers) < 1:
         print("offline_scale: --calib must be a file, --keep in (0, 1], --layers positive", file=sys.stderr)
