@@ -97,8 +97,10 @@ CHOICES = {
             "TrainConfig.loss_scope='continuation' scores only the positions after the prompt in both stages, and "
             "kd_loss='argmax' makes stage 3 the cross-entropy to the dense argmax (the report's kd_heldout_kl is "
             "then that loss). On WikiText-2 the continuation scope lowered test perplexity further (basis-sharing "
-            "most), top-1 agreement stayed a tie, and stage 3 kept its start with either loss; the default was "
-            "not chosen on the test set (bench/results/parse-log.md, session 36)",
+            "most), top-1 agreement stayed a tie, and stage 3 kept its start with either loss (session 36); with "
+            "training windows of the evaluation's length (window 256, continuation scope) basis-sharing's top-1 "
+            "agreement rose clear of its interval (+0.0027 ± 0.0010) while svd-llm's stayed a tie (session 37). "
+            "The defaults were not chosen on the test set (bench/results/parse-log.md)",
     "training": "warm start: per matrix, ridge regression of each component's relative gain −a/Y on the "
                 "standardized x̄ (ridge strength picked from a grid by held-out loss); then layer-local STE; "
                 "then end-to-end STE (KD). Stages 1-2 keep, per matrix, the best of {static first-K, warm "
