@@ -33,7 +33,7 @@ import torch
 from rankserve.bench.decode import build_model, write_json
 from rankserve.bench.offline_device import usable
 from rankserve.compress.calibrate import calibrate
-from rankserve.compress.factorize import compress_model
+from rankserve.compress.factorize import SVD_ROUTES, compress_model
 from rankserve.compress.parse import TrainConfig, build_parse_checkpoint
 from rankserve.workers.checkpoint import Manifest, load_checkpoint, read_config, save_checkpoint
 from rankserve.workers.config import PRESETS, preset
@@ -111,8 +111,9 @@ def run_layers(res: dict[str, Any], stages: list[str], a: argparse.Namespace, tm
     if "compress" in stages:
         with Meter(a.device) as m:
             out = compress_model(dense, tmp / f"svd-llm-{layers}", "svd-llm", a.keep, calib_text=a.calib,
-                                 calib_tokens=a.calib_tokens, device=a.device, progress=False)
-        res["compress"] = m.row(out_bytes=(out / "model.safetensors").stat().st_size,
+                                 calib_tokens=a.calib_tokens, device=a.device, svd_route=a.svd_route,
+                                 progress=False)
+        res["compress"] = m.row(svd_route=a.svd_route, out_bytes=(out / "model.safetensors").stat().st_size,
                                 finite_logits=_finite_logits(out, a.device))
         print(f"[{layers} layers] compress {res['compress']}", flush=True)
         save()
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="calibration (and router) text")
     ap.add_argument("--calib-tokens", type=int, default=131072)
     ap.add_argument("--keep", type=float, default=0.6)
+    ap.add_argument("--svd-route", default="svd", choices=SVD_ROUTES, help="how compress takes each SVD")
     ap.add_argument("--parse-windows", type=int, default=64)
     ap.add_argument("--parse-steps", type=int, default=10)
     ap.add_argument("--parse-kd-steps", type=int, default=5)

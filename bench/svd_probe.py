@@ -7,7 +7,8 @@ random matrices with a decaying spectrum:
 - `cholesky`: the whitening, `torch.linalg.cholesky_ex` of an (in, in) Gram;
 - `svd:<driver>`: `torch.linalg.svd(A, full_matrices=False)` with each cuSOLVER driver (default, gesvd, gesvdj,
   gesvda; the CPU has one);
-- `eigh`: the top components from `torch.linalg.eigh` of the smaller Gram (AᵀA or AAᵀ), the other side as A v / σ.
+- `eigh`: `compress.factorize.top_singular(..., "eigh")`, the top components from `torch.linalg.eigh` of the
+  smaller Gram (AᵀA or AAᵀ), the other side as A v / σ (what `compress --svd-route eigh` runs).
 
 Each route's rank-r truncation (r = the keep-0.6 rank) is checked against the default driver's: the relative
 difference of the kept singular values and of the rank-r products U_r Σ_r V_rᵀ.
@@ -27,7 +28,7 @@ from typing import Callable
 import torch
 
 from rankserve.bench.decode import write_json
-from rankserve.compress.factorize import rank_for
+from rankserve.compress.factorize import rank_for, top_singular
 
 SHAPES = {"q/k/v/o": (4096, 4096), "gate/up": (11008, 4096), "down": (4096, 11008)}
 DRIVERS = (None, "gesvd", "gesvdj", "gesvda")
@@ -59,23 +60,12 @@ def test_matrix(out: int, inp: int, dev: torch.device, seed: int = 0) -> torch.T
     return ((u * s) @ v.T).to(dev)
 
 
-def eigh_svd(A: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The top r singular triplets of A from the eigendecomposition of its smaller Gram (fp64)."""
-    if A.shape[0] >= A.shape[1]:
-        w, v = torch.linalg.eigh(A.T @ A)  # ascending
-        v = v[:, -r:].flip(1)
-        s = w[-r:].flip(0).clamp(min=0).sqrt()
-        return (A @ v) / s, s, v.T
-    w, u = torch.linalg.eigh(A @ A.T)
-    u = u[:, -r:].flip(1)
-    s = w[-r:].flip(0).clamp(min=0).sqrt()
-    return u, s, (u.T @ A) / s[:, None]
-
-
-def probe(dev: torch.device, repeats: int, save: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
-    """Every route at every shape; `save(rows)` after each row (a cut-off run keeps what it measured)."""
+def probe(dev: torch.device, repeats: int, save: Callable[[list[dict]], None] = lambda rows: None,
+          drivers: tuple[str | None, ...] = DRIVERS) -> list[dict]:
+    """Every route at every shape; `save(rows)` after each row (a cut-off run keeps what it measured). `drivers`:
+    the cuSOLVER drivers to time besides the default (None); the CPU has only the default."""
     rows: list[dict] = []
-    drivers = DRIVERS if dev.type == "cuda" else (None,)
+    drivers = (None,) + tuple(d for d in drivers if d is not None) if dev.type == "cuda" else (None,)
     for label, (out, inp) in SHAPES.items():
         A = test_matrix(out, inp, dev)
         r = rank_for(out, inp, 0.6)
@@ -83,8 +73,9 @@ def probe(dev: torch.device, repeats: int, save: Callable[[list[dict]], None] = 
         secs, _ = timed(lambda: torch.linalg.cholesky_ex(G), dev, repeats)
         rows.append(dict(shape=label, out=out, inp=inp, route="cholesky", median_s=round(statistics.median(secs), 4)))
         ref = None
-        routes = [(f"svd:{d or 'default'}", lambda d=d: torch.linalg.svd(A, full_matrices=False, driver=d))
-                  for d in drivers] + [("eigh", lambda: eigh_svd(A, r))]
+        svds = [(f"svd:{d or 'default'}", lambda d=d: torch.linalg.svd(A, full_matrices=False, driver=d))
+                for d in drivers]
+        routes = svds[:1] + [("eigh", lambda: top_singular(A, r, "eigh"))] + svds[1:]  # the slow drivers last
         for name, fn in routes:
             try:
                 secs, (u, s, vh) = timed(fn, dev, repeats)
@@ -110,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--drivers", nargs="*", default=[d for d in DRIVERS if d], choices=[d for d in DRIVERS if d],
+                    help="cuSOLVER drivers timed besides the default (none: the default and eigh only)")
     a = ap.parse_args(argv)
     try:
         dev = torch.empty(0, device=a.device).device
@@ -117,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"svd_probe: --device {a.device!r} is not usable here", file=sys.stderr)
         return 2
     head = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "CPU", torch=torch.__version__)
-    probe(dev, a.repeats, lambda rows: write_json(a.out, dict(head, rows=rows)))
+    probe(dev, a.repeats, lambda rows: write_json(a.out, dict(head, rows=rows)), tuple(a.drivers))
     return 0
 
 

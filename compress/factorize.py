@@ -116,23 +116,51 @@ def whiten(gram: torch.Tensor) -> Whitening:
 
 
 # --- factors -------------------------------------------------------------------------------------
-def svd_factors(W: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+SVD_ROUTES = ("svd", "eigh")
+EIGH_MIN_RATIO = 1e-5  # eigh route: a kept σ below this fraction of σ_1 loses digits to squaring; full SVD instead
+
+
+def top_singular(A: torch.Tensor, r: int, route: str = "svd") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The top r singular triplets of A (m, n) fp64: u (m, r), s (r,) descending, vh (r, n).
+
+    route "svd": `torch.linalg.svd` (LAPACK gesdd on the CPU, cuSOLVER on a GPU). "eigh": the eigendecomposition
+    of the smaller Gram (AᵀA or AAᵀ, min(m, n) square) and the other side as A v / σ — one symmetric
+    eigensolve instead of an SVD, exact to ~ε·(σ_1/σ_r)² in σ; when σ_r < EIGH_MIN_RATIO·σ_1 it falls back to "svd".
+    """
+    if route == "svd":
+        u, s, vh = torch.linalg.svd(A, full_matrices=False)
+        return u[:, :r], s[:r], vh[:r]
+    if route != "eigh":
+        raise ValueError(f"unknown SVD route {route!r}; choose one of {', '.join(SVD_ROUTES)}")
+    tall = A.shape[0] >= A.shape[1]
+    w, q = torch.linalg.eigh(A.T @ A if tall else A @ A.T)  # ascending eigenvalues σ²
+    s = w[-r:].flip(0).clamp(min=0).sqrt()  # (r,)
+    if s[-1] < EIGH_MIN_RATIO * s[0]:
+        return top_singular(A, r, "svd")
+    q = q[:, -r:].flip(1)
+    if tall:  # q = v (n, r)
+        return (A @ q) / s, s, q.T
+    return q, s, (q.T @ A) / s[:, None]
+
+
+def svd_factors(W: torch.Tensor, rank: int, route: str = "svd") -> tuple[torch.Tensor, torch.Tensor]:
     """Truncated SVD W [out, in] ≈ U V: U (out, r) = U_r √Σ_r, V (r, in) = √Σ_r V_rᵀ; fp64."""
-    u, s, vh = torch.linalg.svd(W.to(torch.float64), full_matrices=False)
-    sq = s[:rank].sqrt()
-    return u[:, :rank] * sq, sq[:, None] * vh[:rank]
+    u, s, vh = top_singular(W.to(torch.float64), rank, route)
+    sq = s.sqrt()
+    return u * sq, sq[:, None] * vh
 
 
-def svd_llm_factors(W: torch.Tensor, wh: Whitening, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def svd_llm_factors(W: torch.Tensor, wh: Whitening, rank: int, route: str = "svd") -> tuple[torch.Tensor, torch.Tensor]:
     """Whitened SVD: W S = U Σ Vᵀ; U' (out, r) = U_r √Σ_r, V' (r, in) = √Σ_r V_rᵀ S⁻¹; fp64."""
     A = W.to(torch.float64) @ wh.S  # (out, in)
-    u, s, vh = torch.linalg.svd(A, full_matrices=False)
-    sq = s[:rank].sqrt()
-    V = wh.unwhiten(vh[:rank].T).T  # (r, in) = V_rᵀ S⁻¹
-    return u[:, :rank] * sq, sq[:, None] * V
+    u, s, vh = top_singular(A, rank, route)
+    sq = s.sqrt()
+    V = wh.unwhiten(vh.T).T  # (r, in) = V_rᵀ S⁻¹
+    return u * sq, sq[:, None] * V
 
 
-def shared_basis_factors(Ws: list[torch.Tensor], wh: Whitening, rank: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def shared_basis_factors(Ws: list[torch.Tensor], wh: Whitening, rank: int,
+                         route: str = "svd") -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Basis Sharing (§5.2): one V (k, in) and a U (out, k) per W_i [out, in] from the group's whitening; fp64.
 
     SVD of Sᵀ W_cat with W_cat = [W_0ᵀ | … ] (in, n·out): basis = S⁻ᵀ u_k σ_k (in, k) (σ folded into the basis),
@@ -140,9 +168,8 @@ def shared_basis_factors(Ws: list[torch.Tensor], wh: Whitening, rank: int) -> tu
     """
     out = Ws[0].shape[0]
     W_cat = torch.cat([W.to(torch.float64).T for W in Ws], dim=1)  # (in, n·out)
-    u, s, vh = torch.linalg.svd(wh.S.T @ W_cat, full_matrices=False)
-    basis = wh.unwhiten(u[:, :rank] * s[:rank])  # (in, k)
-    coef = vh[:rank]  # (k, n·out)
+    u, s, coef = top_singular(wh.S.T @ W_cat, rank, route)  # coef (k, n·out)
+    basis = wh.unwhiten(u * s)  # (in, k)
     return basis.T, [c.T for c in coef.split(out, dim=1)]
 
 
@@ -155,6 +182,7 @@ def compress_model(model_dir: str | Path, out_dir: str | Path, method: str,
                    calib_batch_size: int = 8,
                    group_size: int = 2,  # basis-sharing: consecutive layers sharing a basis (the paper's default)
                    device: str = "cpu",
+                   svd_route: str = "svd",  # "svd" or "eigh" (see `top_singular`): how each SVD is computed
                    progress: bool = True) -> Path:
     """Factorize the native checkpoint `model_dir` with `method` at `keep`; write a new checkpoint to `out_dir`.
 
@@ -167,6 +195,8 @@ def compress_model(model_dir: str | Path, out_dir: str | Path, method: str,
         raise ValueError(f"keep must be a fraction of parameters kept in (0, 1], got {keep!r}")
     if group_size < 1:
         raise ValueError(f"group_size must be at least 1, got {group_size}")
+    if svd_route not in SVD_ROUTES:
+        raise ValueError(f"unknown SVD route {svd_route!r}; choose one of {', '.join(SVD_ROUTES)}")
     needs_calib = method != "svd"
     if needs_calib:
         if calib_text is None:
@@ -190,7 +220,7 @@ def compress_model(model_dir: str | Path, out_dir: str | Path, method: str,
         batches, seq_len = calibration_batches(src, Tokenizer.load(model_dir), calib_text, calib_tokens,
                                                calib_seq_len, calib_batch_size, progress)
     model = _with_head(src, ranks, groups, "cpu")
-    filler = Factorizer(model, dense, method, ranks, groups, device, progress)
+    filler = Factorizer(model, dense, method, ranks, groups, device, progress, svd_route)
     try:
         if calibrated:
             grams: dict[str, torch.Tensor] = {}
@@ -213,6 +243,8 @@ def compress_model(model_dir: str | Path, out_dir: str | Path, method: str,
     if method == "basis-sharing":
         provenance["group_size"] = group_size
         provenance["shared"] = list(SHARED)
+    if any(r is not None for r in ranks.values()):
+        provenance["svd_route"] = svd_route
     if calibration is not None:
         provenance["calibration"] = calibration
         provenance["whitening"] = filler.kinds
@@ -222,12 +254,12 @@ def compress_model(model_dir: str | Path, out_dir: str | Path, method: str,
 
 def factorized(src: Transformer, dense: dict[str, torch.Tensor], stats: CalibStats | None, method: str,
                ranks: dict[str, int | None], groups: dict[str, list[str]], progress: bool = True,
-               device: str = "cpu") -> tuple[Transformer, dict[str, int]]:
+               device: str = "cpu", svd_route: str = "svd") -> tuple[Transformer, dict[str, int]]:
     """A model on `device` with src's embeddings, norms and head and every projection factorized by `method` at
     `ranks` (dense where None) from the dense weights W (out, in) and the calibration statistics; and the count
     of each whitening kind used. The plan (ranks, groups) is `plan_factors`'."""
     model = _with_head(src, ranks, groups, device)
-    filler = Factorizer(model, dense, method, ranks, groups, device, progress)
+    filler = Factorizer(model, dense, method, ranks, groups, device, progress, svd_route)
     try:
         filler.run(None if stats is None else stats.grams, all_in=True)
     finally:
@@ -275,8 +307,10 @@ class Factorizer:
     time), the results land wherever `model` lives. `kinds` counts the whitening kinds used."""
 
     def __init__(self, model: Transformer, dense: dict[str, torch.Tensor], method: str,
-                 ranks: dict[str, int | None], groups: dict[str, list[str]], device: str, progress: bool) -> None:
+                 ranks: dict[str, int | None], groups: dict[str, list[str]], device: str, progress: bool,
+                 svd_route: str = "svd") -> None:
         self.lins, self.dense, self.method, self.ranks = model.projections(), dense, method, ranks
+        self.route = svd_route
         self.device = torch.device(device)
         grouped = {m for members in groups.values() for m in members}
         self.pending: list[tuple[str, list[str]]] = [("group", m) for m in groups.values()]
@@ -326,7 +360,7 @@ class Factorizer:
         W = {m: self.dense[m].to(self.device) for m in members}
         if kind == "group":
             V, Us = shared_basis_factors([W[m] for m in members], self._whitening(members, grams, cache),
-                                         self.ranks[members[0]])
+                                         self.ranks[members[0]], self.route)
             self.lins[members[0]].V.copy_(V)  # the group's one Parameter
             for m, U in zip(members, Us):
                 self.lins[m].U.copy_(U)
@@ -336,8 +370,8 @@ class Factorizer:
             self.lins[name].weight.copy_(W[name])
             return
         if self.method == "svd":
-            U, V = svd_factors(W[name], r)
+            U, V = svd_factors(W[name], r, self.route)
         else:
-            U, V = svd_llm_factors(W[name], self._whitening([name], grams, cache), r)
+            U, V = svd_llm_factors(W[name], self._whitening([name], grams, cache), r, self.route)
         self.lins[name].U.copy_(U)
         self.lins[name].V.copy_(V)

@@ -9,6 +9,7 @@ import json
 import torch
 
 from rankserve.bench import svd_probe
+from rankserve.compress.factorize import top_singular
 
 
 def test_routes_agree_and_rows_are_saved(tmp_path, monkeypatch):
@@ -16,7 +17,7 @@ def test_routes_agree_and_rows_are_saved(tmp_path, monkeypatch):
     out = tmp_path / "p.json"
     saved = []
     rows = svd_probe.probe(torch.device("cpu"), 2, lambda r: saved.append(len(r)))
-    assert [r["route"] for r in rows] == ["cholesky", "svd:default", "eigh"] * 2
+    assert [r["route"] for r in rows] == ["cholesky", "svd:default", "eigh"] * 2  # the CPU has one driver
     assert saved == [2, 3, 5, 6]  # after every decomposition row, the Cholesky rows before them included
     for r in rows:
         if r["route"] == "eigh":
@@ -26,10 +27,10 @@ def test_routes_agree_and_rows_are_saved(tmp_path, monkeypatch):
     assert res["device"] == "CPU" and len(res["rows"]) == 6 and all(r["median_s"] >= 0 for r in res["rows"])
 
 
-def test_eigh_svd_matches_svd_on_both_orientations():
+def test_eigh_route_matches_svd_on_both_orientations():
     for shape in ((30, 20), (20, 30)):
         A = svd_probe.test_matrix(*shape, torch.device("cpu"), seed=1)
-        u, s, vh = svd_probe.eigh_svd(A, 8)
+        u, s, vh = top_singular(A, 8, "eigh")
         ref = torch.linalg.svdvals(A)[:8]
         assert torch.allclose(s, ref, rtol=1e-10)
         assert torch.allclose(u.T @ u, torch.eye(8, dtype=torch.float64), atol=1e-8)

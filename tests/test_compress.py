@@ -13,7 +13,7 @@ from safetensors import safe_open
 from rankserve.compress.calibrate import INPUT_OF, _accumulate, calibrate, calibration_batches
 from rankserve.compress.evaluate import perplexity
 from rankserve.compress.factorize import (compress_model, factorized, rank_for, shared_basis_factors, shared_rank_for,
-                                          svd_factors, svd_llm_factors, whiten)
+                                          svd_factors, svd_llm_factors, top_singular, whiten)
 from rankserve.workers.checkpoint import CheckpointError, Manifest, load_checkpoint, save_checkpoint
 from rankserve.workers.config import ModelConfig
 from rankserve.workers.model import Transformer, proj_name
@@ -134,6 +134,45 @@ def test_shared_basis_full_rank_reproduces_members():
     assert abs(loss - float(s[k:].norm())) < 1e-8 * float(s.norm())
 
 
+def test_eigh_route_gives_the_svd_routes_truncation():
+    """`top_singular(..., "eigh")` (eigensolve of the smaller Gram) keeps the same top-r triplets as the SVD, up to
+    the singular vectors' signs, on both orientations; each factorization gives the same products."""
+    g = torch.Generator().manual_seed(4)
+    for m, n in ((60, 36), (36, 60)):
+        A = torch.randn(m, n, generator=g, dtype=torch.float64) * torch.logspace(0, -2, n, dtype=torch.float64)
+        u, s, vh = top_singular(A, 12, "eigh")
+        ur, sr, vhr = top_singular(A, 12, "svd")
+        assert u.shape == (m, 12) and s.shape == (12,) and vh.shape == (12, n)
+        assert torch.allclose(s, sr, rtol=1e-12)
+        assert _rel((u * s) @ vh, (ur * sr) @ vhr) < 1e-10
+        assert torch.allclose(u.T @ u, torch.eye(12, dtype=torch.float64), atol=1e-10)
+    W = torch.randn(40, 24, generator=g, dtype=torch.float64)
+    X = torch.randn(500, 24, generator=g, dtype=torch.float64) * torch.logspace(-2, 1, 24, dtype=torch.float64)
+    wh = whiten(X.T @ X)
+    for r in (8, 24):
+        U, V = svd_llm_factors(W, wh, r, "eigh")
+        Ur, Vr = svd_llm_factors(W, wh, r)
+        assert _rel(U @ V, Ur @ Vr) < 1e-9
+    Ws = [torch.randn(16, 24, generator=g, dtype=torch.float64) for _ in range(2)]
+    V, Us = shared_basis_factors(Ws, wh, 10, "eigh")
+    Vr, Urs = shared_basis_factors(Ws, wh, 10)
+    for U, Ur in zip(Us, Urs):
+        assert _rel(U @ V, Ur @ Vr) < 1e-9
+    with pytest.raises(ValueError, match="unknown SVD route"):
+        top_singular(W, 4, "qr")
+
+
+def test_eigh_route_falls_back_to_the_svd_where_squaring_would_lose_digits():
+    """A kept σ below 1e-5·σ_1 would come out of AᵀA with few correct digits: the route takes the SVD instead."""
+    g = torch.Generator().manual_seed(5)
+    u, _ = torch.linalg.qr(torch.randn(30, 10, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(20, 10, generator=g, dtype=torch.float64))
+    s = torch.logspace(0, -9, 10, dtype=torch.float64)
+    A = (u * s) @ v.T
+    _, got, _ = top_singular(A, 8, "eigh")
+    assert torch.allclose(got, s[:8], rtol=1e-6)  # σ_8 = 1e-7: from AᵀA alone it would be noise
+
+
 # --- calibration -----------------------------------------------------------------------------------
 def test_a_short_calibration_text_is_reported(tiny_dir, tmp_path, capsys):
     """Fewer tokens than allowed: a line says how many; the bar counts the layers run over them."""
@@ -202,6 +241,21 @@ def test_streamed_compress_equals_factorizing_the_whole_statistics(tiny_dir, tmp
     ours = dict(streamed.named_parameters())
     for name, p in whole.named_parameters():
         assert torch.equal(ours[name], p.to(ours[name].dtype)), name  # both stored at the source's dtype
+
+
+@pytest.mark.parametrize("method", ["svd-llm", "basis-sharing"])
+def test_compress_by_the_eigh_route_gives_the_same_model(tiny_dir, tmp_path, method):
+    """`svd_route="eigh"` (what a GPU runs fastest, bench/svd_probe.py) and the default SVD give the same logits."""
+    kw = dict(calib_text=CALIB, calib_tokens=2048, calib_seq_len=128, progress=False)
+    a, man = load_checkpoint(compress_model(tiny_dir, tmp_path / "svd", method, 0.6, **kw), dtype=torch.float32)
+    b, man_b = load_checkpoint(compress_model(tiny_dir, tmp_path / "eigh", method, 0.6, svd_route="eigh", **kw),
+                               dtype=torch.float32)
+    assert man.provenance["svd_route"] == "svd" and man_b.provenance["svd_route"] == "eigh"
+    x = torch.randint(0, 512, (2, 40))
+    assert _rel(b(x), a(x)) < 1e-5  # fp32 storage of the same fp64 products
+    with pytest.raises(ValueError, match="unknown SVD route"):
+        compress_model(tiny_dir, tmp_path / "bad", method, 0.6, svd_route="qr", **kw)
+    assert not (tmp_path / "bad").exists()
 
 
 # --- the pipeline on a random model ----------------------------------------------------------------
