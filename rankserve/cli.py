@@ -28,6 +28,7 @@ PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_
 
 FAMILIES = ("hf", "llama2c", "svd-llm", "svd-llm-v2", "dobi-svd", "basis-sharing")
 METHODS = ("svd", "svd-llm", "basis-sharing")
+SVD_ROUTES = ("svd", "eigh")
 PARSE_BASES = ("svd-llm", "basis-sharing", "svd")  # compress.parse.BASES (not imported here: it pulls in torch)
 
 
@@ -192,6 +193,8 @@ def compress_cmd(
     device: str = typer.Option("cpu", "--device", help="where calibration and the SVDs run: cpu, or cuda[:N] for a "
                                "large model (the model stays in host memory, fp32; the GPU holds one layer at a "
                                "time; fp64 factors either way)"),
+    svd_route: str = typer.Option("svd", "--svd-route", help="how each fp64 SVD is taken: svd (LAPACK / cuSOLVER) "
+                                  "or eigh (the eigensolve of the smaller Gram; the same factors)"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Factorize a model's decoder linears (plain SVD, SVD-LLM whitening, or Basis Sharing)."""
@@ -203,6 +206,8 @@ def compress_cmd(
         _fail(f"--method {method} whitens with calibration statistics: pass --calib TEXT (a text file)")
     if calib_tokens < 1:
         _fail(f"--calib-tokens must be positive, got {calib_tokens}")
+    if svd_route not in SVD_ROUTES:
+        _fail(f"unknown --svd-route {svd_route!r}; choose one of: {', '.join(SVD_ROUTES)}")
 
     def body():
         from rankserve.compress.factorize import compress_model
@@ -211,7 +216,8 @@ def compress_cmd(
         check_out_dir(out)  # before the calibration and factorization
         try:
             path = compress_model(model, out, method=method, keep=keep, calib_text=calib, calib_tokens=calib_tokens,
-                                  group_size=group_size, device=_device(device), progress=not as_json)
+                                  group_size=group_size, device=_device(device), svd_route=svd_route,
+                                  progress=not as_json)
         except ValueError as e:  # calibration's messages name its argument: say the flag
             raise ValueError(re.sub(r"\bmax_tokens\b", "--calib-tokens", str(e))) from None
         _, man = read_config(path)

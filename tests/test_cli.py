@@ -64,7 +64,7 @@ def test_inspect_json():
 
 def test_compress_then_eval_and_import_hf_roundtrip(tmp_path):
     p = rankserve("compress", "--method", "svd-llm", "--keep", "0.8", "--calib", CALIB, "--calib-tokens", "4096",
-                  BUNDLED, tmp_path / "c", "--json")
+                  "--svd-route", "eigh", BUNDLED, tmp_path / "c", "--json")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["method"] == "svd-llm" and abs(out["keep"] - 0.8) < 0.02
@@ -83,6 +83,7 @@ def test_bad_inputs(tmp_path):
     assert_clean_error(rankserve("compress", "--method", "basis-sharing", BUNDLED, tmp_path / "o"),
                        "--method basis-sharing whitens with calibration statistics: pass --calib TEXT")
     assert_clean_error(rankserve("import", "--family", "nope", BUNDLED, tmp_path / "o"), "unknown family")
+    assert_clean_error(rankserve("compress", "--method", "svd", "--svd-route", "qr", BUNDLED, tmp_path / "o"), "unknown --svd-route 'qr'")
     for n, msg in [("0", "--calib-tokens must be positive, got 0"),  # before the model loads
                    ("100", "--calib-tokens=100 is below 172, the widest projection input")]:
         assert_clean_error(rankserve("compress", "--method", "svd-llm", "--calib", CALIB, "--calib-tokens", n, BUNDLED,
