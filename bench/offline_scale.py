@@ -122,8 +122,9 @@ def run_layers(res: dict[str, Any], stages: list[str], a: argparse.Namespace, tm
         with Meter(a.device) as m:
             out = build_parse_checkpoint(dense, tmp / f"parse-{layers}", keep=a.keep, calib_text=a.calib,
                                          train_text=a.calib, steps=a.parse_steps, kd_steps=a.parse_kd_steps,
-                                         train=train, calib_tokens=a.calib_tokens, progress=False, device=a.device)
-        res["parse"] = m.row(windows=a.parse_windows, steps=a.parse_steps, kd_steps=a.parse_kd_steps,
+                                         train=train, calib_tokens=a.calib_tokens, progress=False, device=a.device,
+                                         svd_route=a.svd_route)
+        res["parse"] = m.row(svd_route=a.svd_route, windows=a.parse_windows, steps=a.parse_steps, kd_steps=a.parse_kd_steps,
                              out_bytes=(out / "model.safetensors").stat().st_size,
                              finite_logits=_finite_logits(out, a.device))
         print(f"[{layers} layers] parse {res['parse']}", flush=True)
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="calibration (and router) text")
     ap.add_argument("--calib-tokens", type=int, default=131072)
     ap.add_argument("--keep", type=float, default=0.6)
-    ap.add_argument("--svd-route", default="svd", choices=SVD_ROUTES, help="how compress takes each SVD")
+    ap.add_argument("--svd-route", default="svd", choices=SVD_ROUTES, help="how compress and parse take each SVD")
     ap.add_argument("--parse-windows", type=int, default=64)
     ap.add_argument("--parse-steps", type=int, default=10)
     ap.add_argument("--parse-kd-steps", type=int, default=5)

@@ -176,6 +176,7 @@ def _check_knobs(pool_factor: float, group_size: int) -> None:
 def build_pool(dense_dir: str | Path, base: str, keep: float, calib_text: str | Path, pool_factor: float = 2.0,
                calib_tokens: int = 131072, calib_seq_len: int | None = None, group_size: int = 2,
                progress: bool = True, device: str = "cpu",  # where calibration and the SVDs run, and the pool lives
+               svd_route: str = "svd",  # how each SVD is taken (compress.factorize.top_singular): the same factors
                ) -> tuple[Transformer, dict[str, int], dict[str, int]]:
     """The base compressor's factors at r_max (fp32 Transformer on `device`), K and r_max per projection.
 
@@ -189,7 +190,7 @@ def build_pool(dense_dir: str | Path, base: str, keep: float, calib_text: str | 
     dense = {name: lin.dense_weight().detach() for name, lin in src.projections().items()}
     stats = calibrate(src, Tokenizer.load(dense_dir), calib_text, max_tokens=calib_tokens, seq_len=calib_seq_len,
                       progress=progress)
-    model, _ = factorized(src, dense, stats, base, ranks, groups, progress, device)
+    model, _ = factorized(src, dense, stats, base, ranks, groups, progress, device, svd_route)
     model.eval()
     return model, k, r_max
 
@@ -725,6 +726,8 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
                            progress: bool = True,
                            device: str = "cpu",  # where everything runs, fp32: "cpu" for the bundled and reference
                            # models, "cuda" for a 7B one (its intermediates are stored on the CPU either way)
+                           svd_route: str = "svd",  # the pool's SVDs: "svd" or "eigh" (the same factors; not a
+                           # setting of the work dir, like device)
                            pool_from: str | Path | None = None,  # a native low-rank checkpoint of the same model
                            # whose own components are the experts (native_experts); then no pool is built, and
                            # base, pool_factor, group_size and the calibration are not used
@@ -793,7 +796,7 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
         pool_dir = work / "pool"
         if not pool_dir.is_dir():  # stored in the source dtype and reloaded, so the routers see the served weights
             model, k, r_max = build_pool(dense_dir, base, keep, calib_text, pool_factor, calib_tokens, calib_seq_len,
-                                         group_size, progress=progress, device=device)
+                                         group_size, progress=progress, device=device, svd_route=svd_route)
             pm = Manifest(family=base, ranks={}, source=dense_dir.name, provenance={"parse_pool": True, "k": k})
             save_checkpoint(pool_dir, model, pm, tokenizer_dir=dense_dir, dtype=store_dtype)
         model, pm = load_checkpoint(pool_dir, device, torch.float32)

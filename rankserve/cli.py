@@ -448,6 +448,8 @@ def train_parse_cmd(
                                 "arguments from its work dir (default), or discard that work dir and start over"),
     device: str = typer.Option("cpu", "--device", help="where the pool, the router data and the training run (fp32): "
                                "cpu for small models, cuda[:N] for a large one"),
+    svd_route: str = typer.Option("svd", "--svd-route", help="how the pool's fp64 SVDs are taken: svd or eigh (the "
+                                  "same factors; see `compress --svd-route`)"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Build a PARSE checkpoint (rank-expert pool, per-matrix routers, frequency-sorted experts) from a dense one.
@@ -463,6 +465,8 @@ def train_parse_cmd(
         _fail(f"--pool-factor must be a finite number >= 1 (r_max >= K), got {pool_factor}")
     if group_size < 1:
         _fail(f"--group-size must be at least 1, got {group_size}")
+    if svd_route not in SVD_ROUTES:
+        _fail(f"unknown --svd-route {svd_route!r}; choose one of: {', '.join(SVD_ROUTES)}")
     if steps < 0 or kd_steps < 0 or calib_tokens <= 0:
         _fail("--steps and --kd-steps must be >= 0, --calib-tokens positive")
     if (pool is None) == (calib_text is None):
@@ -508,7 +512,7 @@ def train_parse_cmd(
                                           train_text=list(train_text), steps=steps, kd_steps=kd_steps, base=base,
                                           train=train, calib_tokens=calib_tokens, calib_seq_len=calib_seq_len,
                                           group_size=group_size, work_dir=work, progress=not as_json, device=dev,
-                                          pool_from=pool, resume=resume)
+                                          pool_from=pool, resume=resume, svd_route=svd_route)
         except WorkDirMismatch:
             raise ValueError(f"work dir {work} holds an unfinished run with other arguments; pass --no-resume to "
                              f"discard it, or --work-dir to start elsewhere") from None

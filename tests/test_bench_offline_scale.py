@@ -33,9 +33,9 @@ def test_stages_report_time_memory_and_a_usable_checkpoint(tmp_path):
         assert "parse" not in run
     assert main(["--device", "cpu", "--preset", "tiny", "--layers", "1", "--calib", str(TEXT), "--calib-tokens",
                  "1024", "--stages", "parse", "--parse-windows", "24", "--parse-steps", "2", "--parse-kd-steps", "1",
-                 "--out", str(out)]) == 0
+                 "--svd-route", "eigh", "--out", str(out)]) == 0
     parse = json.loads(out.read_text())["runs"][0]["parse"]
-    assert parse["finite_logits"] and parse["steps"] == 2 and parse["seconds"] > 0
+    assert parse["finite_logits"] and parse["steps"] == 2 and parse["seconds"] > 0 and parse["svd_route"] == "eigh"
 
 
 def test_bad_arguments_exit_2(tmp_path, capsys):

@@ -366,7 +366,8 @@ def test_train_parse_failures_leave_no_work_dir(tmp_path):
     for flags, msg in [(["--pool-factor", "inf"], "--pool-factor must be a finite number >= 1"),
                        (["--pool-factor", "nan"], "--pool-factor must be a finite number >= 1"),
                        (["--group-size", "0"], "--group-size must be at least 1"),
-                       (["--group-size", "-1"], "--group-size must be at least 1")]:
+                       (["--group-size", "-1"], "--group-size must be at least 1"),
+                       (["--svd-route", "qr"], "unknown --svd-route 'qr'")]:
         assert_clean_error(rankserve("train-parse", BUNDLED, out, *PARSE_ARGS, *flags), msg)
     bad = tmp_path / "corpus.jsonl"
     bad.write_text('{"text": "Once upon a time"}\n{"txt": "a line without text"}\n')
