@@ -20,6 +20,11 @@ Methods (W ≈ U V, y = U (V x)):
                  [1, min(out, in)] (the native checkpoint bounds every rank by its projection's size). A last group
                  of one layer is private.
 
+Every SVD above keeps only its top r triplets, taken by `svd_route`: "svd" (torch.linalg.svd, the default) or
+"eigh" (the eigensolve of the smaller Gram, AᵀA or AAᵀ: the same triplets to ~1e-14 at the 7B shapes, 1.6-3.8x
+faster on this repo's 2-core CPU, `bench/results/svd-probe-cpu-2core.json`; `top_singular` falls back to the SVD
+where squaring would cost digits).
+
 A factorized source model is multiplied out (U V) first and factorized afresh from the dense weights.
 Calibration statistics come from `compress.calibrate` over the source model as it is. `compress_model` keeps the
 source on the CPU and streams: `device` runs one decoder layer's calibration pass at a time, and each job (a
