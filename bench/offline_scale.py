@@ -159,7 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(dir=a.tmp) as tmp:
         for layers in a.layers:
             res["runs"].append(dict(layers=layers))
-            run_layers(res["runs"][-1], a.stages, a, Path(tmp), lambda: write_json(a.out, res))
+            try:
+                run_layers(res["runs"][-1], a.stages, a, Path(tmp), lambda: write_json(a.out, res))
+            except ValueError as e:  # an argument the tools refuse (too few calibration tokens, ...)
+                print(f"offline_scale: {e}", file=sys.stderr)
+                return 2
     return 0
 
 

@@ -42,4 +42,7 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
     assert main(["--device", "cpu", "--calib", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o.json")]) == 2
     assert main(["--device", "cpu", "--layers", "0", "--calib", str(TEXT), "--out", str(tmp_path / "o.json")]) == 2
     assert "--calib must be a file" in capsys.readouterr().err
+    assert main(["--device", "cpu", "--preset", "tiny", "--calib", str(TEXT), "--calib-tokens", "10", "--stages",
+                 "compress", "--out", str(tmp_path / "o.json")]) == 2  # refused by compress: one clean line
+    assert "offline_scale: max_tokens=10 is below" in capsys.readouterr().err
     assert not (tmp_path / "o.json").exists()
