@@ -33,7 +33,7 @@ import torch
 from rankserve.bench.decode import build_model, write_json
 from rankserve.bench.offline_device import usable
 from rankserve.compress.calibrate import calibrate
-from rankserve.compress.factorize import SVD_ROUTES, compress_model
+from rankserve.compress.factorize import SVD_ROUTES, compress_model, resolve_route
 from rankserve.compress.parse import TrainConfig, build_parse_checkpoint
 from rankserve.workers.checkpoint import Manifest, load_checkpoint, read_config, save_checkpoint
 from rankserve.workers.config import PRESETS, preset
@@ -113,7 +113,7 @@ def run_layers(res: dict[str, Any], stages: list[str], a: argparse.Namespace, tm
             out = compress_model(dense, tmp / f"svd-llm-{layers}", "svd-llm", a.keep, calib_text=a.calib,
                                  calib_tokens=a.calib_tokens, device=a.device, svd_route=a.svd_route,
                                  progress=False)
-        res["compress"] = m.row(svd_route=a.svd_route, out_bytes=(out / "model.safetensors").stat().st_size,
+        res["compress"] = m.row(svd_route=resolve_route(a.svd_route, a.device), out_bytes=(out / "model.safetensors").stat().st_size,
                                 finite_logits=_finite_logits(out, a.device))
         print(f"[{layers} layers] compress {res['compress']}", flush=True)
         save()
@@ -124,7 +124,7 @@ def run_layers(res: dict[str, Any], stages: list[str], a: argparse.Namespace, tm
                                          train_text=a.calib, steps=a.parse_steps, kd_steps=a.parse_kd_steps,
                                          train=train, calib_tokens=a.calib_tokens, progress=False, device=a.device,
                                          svd_route=a.svd_route)
-        res["parse"] = m.row(svd_route=a.svd_route, windows=a.parse_windows, steps=a.parse_steps, kd_steps=a.parse_kd_steps,
+        res["parse"] = m.row(svd_route=resolve_route(a.svd_route, a.device), windows=a.parse_windows, steps=a.parse_steps, kd_steps=a.parse_kd_steps,
                              out_bytes=(out / "model.safetensors").stat().st_size,
                              finite_logits=_finite_logits(out, a.device))
         print(f"[{layers} layers] parse {res['parse']}", flush=True)
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="calibration (and router) text")
     ap.add_argument("--calib-tokens", type=int, default=131072)
     ap.add_argument("--keep", type=float, default=0.6)
-    ap.add_argument("--svd-route", default="svd", choices=SVD_ROUTES, help="how compress and parse take each SVD")
+    ap.add_argument("--svd-route", default="auto", choices=SVD_ROUTES, help="how compress and parse take each SVD")
     ap.add_argument("--parse-windows", type=int, default=64)
     ap.add_argument("--parse-steps", type=int, default=10)
     ap.add_argument("--parse-kd-steps", type=int, default=5)

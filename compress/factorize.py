@@ -20,10 +20,11 @@ Methods (W ≈ U V, y = U (V x)):
                  [1, min(out, in)] (the native checkpoint bounds every rank by its projection's size). A last group
                  of one layer is private.
 
-Every SVD above keeps only its top r triplets, taken by `svd_route`: "svd" (torch.linalg.svd, the default) or
-"eigh" (the eigensolve of the smaller Gram, AᵀA or AAᵀ: the same triplets to ~1e-14 at the 7B shapes, 1.6-3.8x
-faster on this repo's 2-core CPU, `bench/results/svd-probe-cpu-2core.json`; `top_singular` falls back to the SVD
-where squaring would cost digits).
+Every SVD above keeps only its top r triplets, taken by `svd_route`: "svd" (torch.linalg.svd) or "eigh" (the
+eigensolve of the smaller Gram, AᵀA or AAᵀ: the same triplets to ~1e-12 at the 7B shapes, 8-16x faster on an H100,
+`bench/results/svd-probe-h100-s38.json`, and 1.6-3.8x on this repo's 2-core CPU, `svd-probe-cpu-2core.json`;
+`top_singular` falls back to the SVD where squaring would cost digits). The default, "auto", takes eigh on a GPU
+and svd on the CPU, where every committed quality figure was made.
 
 A factorized source model is multiplied out (U V) first and factorized afresh from the dense weights.
 Calibration statistics come from `compress.calibrate` over the source model as it is. `compress_model` keeps the
@@ -121,8 +122,18 @@ def whiten(gram: torch.Tensor) -> Whitening:
 
 
 # --- factors -------------------------------------------------------------------------------------
-SVD_ROUTES = ("svd", "eigh")
+SVD_ROUTES = ("auto", "svd", "eigh")  # auto: eigh on a GPU (8-16x faster there, bench/results/svd-probe-h100-s38.json),
+# svd on the CPU (1.6-3.8x slower than eigh there, but it made every committed quality figure)
 EIGH_MIN_RATIO = 1e-5  # eigh route: a kept σ below this fraction of σ_1 loses digits to squaring; full SVD instead
+
+
+def resolve_route(route: str, device: str | torch.device) -> str:
+    """The SVD route a factorization on `device` takes: "auto" is "eigh" on CUDA, "svd" elsewhere."""
+    if route not in SVD_ROUTES:
+        raise ValueError(f"unknown SVD route {route!r}; choose one of {', '.join(SVD_ROUTES)}")
+    if route != "auto":
+        return route
+    return "eigh" if torch.device(device).type == "cuda" else "svd"
 
 
 def top_singular(A: torch.Tensor, r: int, route: str = "svd") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -136,7 +147,7 @@ def top_singular(A: torch.Tensor, r: int, route: str = "svd") -> tuple[torch.Ten
         u, s, vh = torch.linalg.svd(A, full_matrices=False)
         return u[:, :r], s[:r], vh[:r]
     if route != "eigh":
-        raise ValueError(f"unknown SVD route {route!r}; choose one of {', '.join(SVD_ROUTES)}")
+        raise ValueError(f"unknown SVD route {route!r}; choose one of svd, eigh")
     tall = A.shape[0] >= A.shape[1]
     w, q = torch.linalg.eigh(A.T @ A if tall else A @ A.T)  # ascending eigenvalues σ²
     s = w[-r:].flip(0).clamp(min=0).sqrt()  # (r,)
@@ -187,7 +198,7 @@ def compress_model(model_dir: str | Path, out_dir: str | Path, method: str,
                    calib_batch_size: int = 8,
                    group_size: int = 2,  # basis-sharing: consecutive layers sharing a basis (the paper's default)
                    device: str = "cpu",
-                   svd_route: str = "svd",  # "svd" or "eigh" (see `top_singular`): how each SVD is computed
+                   svd_route: str = "auto",  # "svd", "eigh" (see `top_singular`) or "auto" (`resolve_route`)
                    progress: bool = True) -> Path:
     """Factorize the native checkpoint `model_dir` with `method` at `keep`; write a new checkpoint to `out_dir`.
 
@@ -200,8 +211,7 @@ def compress_model(model_dir: str | Path, out_dir: str | Path, method: str,
         raise ValueError(f"keep must be a fraction of parameters kept in (0, 1], got {keep!r}")
     if group_size < 1:
         raise ValueError(f"group_size must be at least 1, got {group_size}")
-    if svd_route not in SVD_ROUTES:
-        raise ValueError(f"unknown SVD route {svd_route!r}; choose one of {', '.join(SVD_ROUTES)}")
+    svd_route = resolve_route(svd_route, device)
     needs_calib = method != "svd"
     if needs_calib:
         if calib_text is None:
@@ -259,7 +269,7 @@ def compress_model(model_dir: str | Path, out_dir: str | Path, method: str,
 
 def factorized(src: Transformer, dense: dict[str, torch.Tensor], stats: CalibStats | None, method: str,
                ranks: dict[str, int | None], groups: dict[str, list[str]], progress: bool = True,
-               device: str = "cpu", svd_route: str = "svd") -> tuple[Transformer, dict[str, int]]:
+               device: str = "cpu", svd_route: str = "auto") -> tuple[Transformer, dict[str, int]]:
     """A model on `device` with src's embeddings, norms and head and every projection factorized by `method` at
     `ranks` (dense where None) from the dense weights W (out, in) and the calibration statistics; and the count
     of each whitening kind used. The plan (ranks, groups) is `plan_factors`'."""
@@ -313,10 +323,10 @@ class Factorizer:
 
     def __init__(self, model: Transformer, dense: dict[str, torch.Tensor], method: str,
                  ranks: dict[str, int | None], groups: dict[str, list[str]], device: str, progress: bool,
-                 svd_route: str = "svd") -> None:
+                 svd_route: str = "auto") -> None:
         self.lins, self.dense, self.method, self.ranks = model.projections(), dense, method, ranks
-        self.route = svd_route
         self.device = torch.device(device)
+        self.route = resolve_route(svd_route, self.device)
         grouped = {m for members in groups.values() for m in members}
         self.pending: list[tuple[str, list[str]]] = [("group", m) for m in groups.values()]
         self.pending += [("private", [n]) for n in self.lins if n not in grouped]

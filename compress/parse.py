@@ -176,7 +176,7 @@ def _check_knobs(pool_factor: float, group_size: int) -> None:
 def build_pool(dense_dir: str | Path, base: str, keep: float, calib_text: str | Path, pool_factor: float = 2.0,
                calib_tokens: int = 131072, calib_seq_len: int | None = None, group_size: int = 2,
                progress: bool = True, device: str = "cpu",  # where calibration and the SVDs run, and the pool lives
-               svd_route: str = "svd",  # how each SVD is taken (compress.factorize.top_singular): the same factors
+               svd_route: str = "auto",  # how each SVD is taken (compress.factorize.resolve_route): the same factors
                ) -> tuple[Transformer, dict[str, int], dict[str, int]]:
     """The base compressor's factors at r_max (fp32 Transformer on `device`), K and r_max per projection.
 
@@ -726,8 +726,8 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
                            progress: bool = True,
                            device: str = "cpu",  # where everything runs, fp32: "cpu" for the bundled and reference
                            # models, "cuda" for a 7B one (its intermediates are stored on the CPU either way)
-                           svd_route: str = "svd",  # the pool's SVDs: "svd" or "eigh" (the same factors; not a
-                           # setting of the work dir, like device)
+                           svd_route: str = "auto",  # the pool's SVDs: "auto", "svd" or "eigh" (the same factors;
+                           # not a setting of the work dir, like device)
                            pool_from: str | Path | None = None,  # a native low-rank checkpoint of the same model
                            # whose own components are the experts (native_experts); then no pool is built, and
                            # base, pool_factor, group_size and the calibration are not used

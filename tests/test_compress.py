@@ -13,7 +13,8 @@ from safetensors import safe_open
 from rankserve.compress.calibrate import INPUT_OF, _accumulate, calibrate, calibration_batches
 from rankserve.compress.evaluate import perplexity
 from rankserve.compress.factorize import (compress_model, factorized, rank_for, shared_basis_factors, shared_rank_for,
-                                          svd_factors, svd_llm_factors, top_singular, whiten)
+                                          resolve_route, svd_factors, svd_llm_factors, top_singular,
+                                          whiten)
 from rankserve.workers.checkpoint import CheckpointError, Manifest, load_checkpoint, save_checkpoint
 from rankserve.workers.config import ModelConfig
 from rankserve.workers.model import Transformer, proj_name
@@ -160,6 +161,8 @@ def test_eigh_route_gives_the_svd_routes_truncation():
         assert _rel(U @ V, Ur @ Vr) < 1e-9
     with pytest.raises(ValueError, match="unknown SVD route"):
         top_singular(W, 4, "qr")
+    assert resolve_route("auto", "cpu") == "svd" and resolve_route("auto", "cuda:0") == "eigh"
+    assert resolve_route("svd", "cuda") == "svd" and resolve_route("eigh", "cpu") == "eigh"
 
 
 def test_eigh_route_falls_back_to_the_svd_where_squaring_would_lose_digits():
@@ -245,7 +248,8 @@ def test_streamed_compress_equals_factorizing_the_whole_statistics(tiny_dir, tmp
 
 @pytest.mark.parametrize("method", ["svd-llm", "basis-sharing"])
 def test_compress_by_the_eigh_route_gives_the_same_model(tiny_dir, tmp_path, method):
-    """`svd_route="eigh"` (what a GPU runs fastest, bench/svd_probe.py) and the default SVD give the same logits."""
+    """`svd_route="eigh"` (what "auto" takes on a GPU, bench/svd_probe.py) and the SVD ("auto" on the CPU) give the
+    same logits."""
     kw = dict(calib_text=CALIB, calib_tokens=2048, calib_seq_len=128, progress=False)
     a, man = load_checkpoint(compress_model(tiny_dir, tmp_path / "svd", method, 0.6, **kw), dtype=torch.float32)
     b, man_b = load_checkpoint(compress_model(tiny_dir, tmp_path / "eigh", method, 0.6, svd_route="eigh", **kw),
