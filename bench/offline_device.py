@@ -4,7 +4,8 @@ checkpoint on both, and how long each takes.
 1. compress: svd-llm at `--keep` of `--model` (default the reference model), calibrated on `--calib` (default the
    repository's Shakespeare excerpt, ~10,700 tokens of the reference model: the lent GPU sees only the repository),
    once on the CPU and once on `--device`. Each checkpoint's logits on held-out text (fp32, on the CPU) against the
-   other's and against the dense model's: the factors' signs may differ between devices, their products may not.
+   other's and against the dense model's: the factors' signs may differ between devices, their products may not
+   (since session 38 a GPU takes the SVDs by the eigh route, `--svd-route auto`, and the CPU by LAPACK's SVD).
 2. train-parse: a small PARSE build of the bundled model (svd-llm pool, keep 0.6, short router training), once on
    each device. Compared: the pool's logits with every component on and with the static first-K mask (the
    factors, as 1.), and the subsets the two checkpoints' routers pick for a few prompts (overlap of the K picks per
