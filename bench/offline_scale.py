@@ -95,6 +95,7 @@ def run_layers(res: dict[str, Any], stages: list[str], a: argparse.Namespace, tm
     """Every stage at `res["layers"]` layers, each stage's row put in `res` and saved as it ends (a cut-off run
     keeps what it finished)."""
     layers = res["layers"]
+    route = resolve_route(a.svd_route, a.device)  # the route `auto` takes here, recorded in each row
     dense = random_dense(tmp / f"dense-{layers}", a.preset, layers)
     res["dense_bytes"] = (dense / "model.safetensors").stat().st_size
     tok = Tokenizer.load(dense)
@@ -111,9 +112,8 @@ def run_layers(res: dict[str, Any], stages: list[str], a: argparse.Namespace, tm
     if "compress" in stages:
         with Meter(a.device) as m:
             out = compress_model(dense, tmp / f"svd-llm-{layers}", "svd-llm", a.keep, calib_text=a.calib,
-                                 calib_tokens=a.calib_tokens, device=a.device, svd_route=a.svd_route,
-                                 progress=False)
-        res["compress"] = m.row(svd_route=resolve_route(a.svd_route, a.device), out_bytes=(out / "model.safetensors").stat().st_size,
+                                 calib_tokens=a.calib_tokens, device=a.device, svd_route=route, progress=False)
+        res["compress"] = m.row(svd_route=route, out_bytes=(out / "model.safetensors").stat().st_size,
                                 finite_logits=_finite_logits(out, a.device))
         print(f"[{layers} layers] compress {res['compress']}", flush=True)
         save()
@@ -123,8 +123,8 @@ def run_layers(res: dict[str, Any], stages: list[str], a: argparse.Namespace, tm
             out = build_parse_checkpoint(dense, tmp / f"parse-{layers}", keep=a.keep, calib_text=a.calib,
                                          train_text=a.calib, steps=a.parse_steps, kd_steps=a.parse_kd_steps,
                                          train=train, calib_tokens=a.calib_tokens, progress=False, device=a.device,
-                                         svd_route=a.svd_route)
-        res["parse"] = m.row(svd_route=resolve_route(a.svd_route, a.device), windows=a.parse_windows, steps=a.parse_steps, kd_steps=a.parse_kd_steps,
+                                         svd_route=route)
+        res["parse"] = m.row(svd_route=route, windows=a.parse_windows, steps=a.parse_steps, kd_steps=a.parse_kd_steps,
                              out_bytes=(out / "model.safetensors").stat().st_size,
                              finite_logits=_finite_logits(out, a.device))
         print(f"[{layers} layers] parse {res['parse']}", flush=True)

@@ -166,7 +166,8 @@ def svd_factors(W: torch.Tensor, rank: int, route: str = "svd") -> tuple[torch.T
     return u * sq, sq[:, None] * vh
 
 
-def svd_llm_factors(W: torch.Tensor, wh: Whitening, rank: int, route: str = "svd") -> tuple[torch.Tensor, torch.Tensor]:
+def svd_llm_factors(W: torch.Tensor, wh: Whitening, rank: int,
+                    route: str = "svd") -> tuple[torch.Tensor, torch.Tensor]:
     """Whitened SVD: W S = U Σ Vᵀ; U' (out, r) = U_r √Σ_r, V' (r, in) = √Σ_r V_rᵀ S⁻¹; fp64."""
     A = W.to(torch.float64) @ wh.S  # (out, in)
     u, s, vh = top_singular(A, rank, route)

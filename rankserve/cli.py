@@ -28,7 +28,7 @@ PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_
 
 FAMILIES = ("hf", "llama2c", "svd-llm", "svd-llm-v2", "dobi-svd", "basis-sharing")
 METHODS = ("svd", "svd-llm", "basis-sharing")
-SVD_ROUTES = ("auto", "svd", "eigh")
+SVD_ROUTES = ("auto", "svd", "eigh")  # compress.factorize.SVD_ROUTES (not imported here: it pulls in torch)
 PARSE_BASES = ("svd-llm", "basis-sharing", "svd")  # compress.parse.BASES (not imported here: it pulls in torch)
 
 

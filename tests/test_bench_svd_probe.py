@@ -9,7 +9,6 @@ import json
 import torch
 
 from rankserve.bench import svd_probe
-from rankserve.compress.factorize import top_singular
 
 
 def test_routes_agree_and_rows_are_saved(tmp_path, monkeypatch):
@@ -26,12 +25,3 @@ def test_routes_agree_and_rows_are_saved(tmp_path, monkeypatch):
     res = json.loads(out.read_text())
     assert res["device"] == "CPU" and len(res["rows"]) == 6 and all(r["median_s"] >= 0 for r in res["rows"])
 
-
-def test_eigh_route_matches_svd_on_both_orientations():
-    for shape in ((30, 20), (20, 30)):
-        A = svd_probe.test_matrix(*shape, torch.device("cpu"), seed=1)
-        u, s, vh = top_singular(A, 8, "eigh")
-        ref = torch.linalg.svdvals(A)[:8]
-        assert torch.allclose(s, ref, rtol=1e-10)
-        assert torch.allclose(u.T @ u, torch.eye(8, dtype=torch.float64), atol=1e-8)
-        assert torch.allclose(vh @ vh.T, torch.eye(8, dtype=torch.float64), atol=1e-8)

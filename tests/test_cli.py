@@ -83,7 +83,8 @@ def test_bad_inputs(tmp_path):
     assert_clean_error(rankserve("compress", "--method", "basis-sharing", BUNDLED, tmp_path / "o"),
                        "--method basis-sharing whitens with calibration statistics: pass --calib TEXT")
     assert_clean_error(rankserve("import", "--family", "nope", BUNDLED, tmp_path / "o"), "unknown family")
-    assert_clean_error(rankserve("compress", "--method", "svd", "--svd-route", "qr", BUNDLED, tmp_path / "o"), "unknown --svd-route 'qr'")
+    assert_clean_error(rankserve("compress", "--method", "svd", "--svd-route", "qr", BUNDLED, tmp_path / "o"),
+                       "unknown --svd-route 'qr'")
     for n, msg in [("0", "--calib-tokens must be positive, got 0"),  # before the model loads
                    ("100", "--calib-tokens=100 is below 172, the widest projection input")]:
         assert_clean_error(rankserve("compress", "--method", "svd-llm", "--calib", CALIB, "--calib-tokens", n, BUNDLED,

@@ -147,6 +147,8 @@ def test_eigh_route_gives_the_svd_routes_truncation():
         assert torch.allclose(s, sr, rtol=1e-12)
         assert _rel((u * s) @ vh, (ur * sr) @ vhr) < 1e-10
         assert torch.allclose(u.T @ u, torch.eye(12, dtype=torch.float64), atol=1e-10)
+        assert torch.allclose(vh @ vh.T, torch.eye(12, dtype=torch.float64), atol=1e-10)
+        assert torch.allclose(s, torch.linalg.svdvals(A)[:12], rtol=1e-10)
     W = torch.randn(40, 24, generator=g, dtype=torch.float64)
     X = torch.randn(500, 24, generator=g, dtype=torch.float64) * torch.logspace(-2, 1, 24, dtype=torch.float64)
     wh = whiten(X.T @ X)
