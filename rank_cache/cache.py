@@ -71,9 +71,13 @@ class _Space:
     def __init__(self, dim: int):
         self.index = RankIndex(dim)
         self.subsets: dict[int, bytes] = {}
+        # ids this replica discarded whose stream "del" has not come back yet: an "add" of one read from the stream
+        # before the discard must not bring it back (ids are never reused)
+        self.dropped: set[int] = set()
 
     def add(self, ids, vecs, subsets) -> None:
-        new = [j for j, i in enumerate(ids) if int(i) not in self.subsets]  # stream replays what a rebuild read
+        # the stream replays what a rebuild read; a discarded id stays out
+        new = [j for j, i in enumerate(ids) if int(i) not in self.subsets and int(i) not in self.dropped]
         if new:
             self.index.add(np.asarray(ids)[new], np.asarray(vecs)[new])
             for j in new:
@@ -210,6 +214,7 @@ class RankCache:
             space = self._spaces.get((family, version))
             if space is not None:
                 space.remove([id])
+                space.dropped.add(id)
         if self.redis_up:
             try:
                 self.store.delete(family, version, id)
@@ -297,6 +302,7 @@ class RankCache:
                     space.add([ev.id], ev.vec.reshape(1, -1), [ev.subset])
                 elif ev.op == "del":
                     space.remove([ev.id])
+                    space.dropped.discard(ev.id)
 
     def _flush_touches(self) -> None:
         with self._lock:

@@ -361,6 +361,21 @@ def test_discard_removes_an_entry_everywhere(make_cache):
     assert c.size("svd-llm", "m1") == 0
 
 
+def test_a_stream_add_read_before_a_discard_does_not_bring_the_entry_back(make_cache):
+    """The tail thread may read an entry's "add" before this replica discards it and apply it after: the entry
+    stays out until its "del" comes back (the race CI once hit in test_discard_removes_an_entry_everywhere)."""
+    from rankserve.rank_cache.cache import encode_subset
+    from rankserve.rank_cache.store import Event
+
+    a = make_cache()
+    v = unit("discarded while its add is in flight")
+    id = a.insert("svd-llm", "m1", v, {"late": 1})
+    late = Event("0-1", "add", "svd-llm", "m1", id, np.asarray(v, np.float32), encode_subset({"late": 1}))
+    a.discard("svd-llm", "m1", id)
+    a._apply(a._last_id, [late])
+    assert a.lookup("svd-llm", "m1", v) is None and a.size("svd-llm", "m1") == 0
+
+
 def test_an_entry_evicted_while_a_space_is_scanned_is_dropped(make_cache):
     """track(): an entry the scan read but that was deleted before the scan ended is removed again."""
     a = make_cache()
