@@ -118,13 +118,15 @@ def run_layers(res: dict[str, Any], stages: list[str], a: argparse.Namespace, tm
         print(f"[{layers} layers] compress {res['compress']}", flush=True)
         save()
     if "parse" in stages:
-        train = TrainConfig(windows=a.parse_windows, window=128, prompt_len=64, batch_size=16, kd_batch=4)
+        train = TrainConfig(windows=a.parse_windows, window=128, prompt_len=64, batch_size=16, kd_batch=4,
+                            router_chunk=a.router_chunk)
         with Meter(a.device) as m:
             out = build_parse_checkpoint(dense, tmp / f"parse-{layers}", keep=a.keep, calib_text=a.calib,
                                          train_text=a.calib, steps=a.parse_steps, kd_steps=a.parse_kd_steps,
                                          train=train, calib_tokens=a.calib_tokens, progress=False, device=a.device,
                                          svd_route=route)
         res["parse"] = m.row(svd_route=route, windows=a.parse_windows, steps=a.parse_steps, kd_steps=a.parse_kd_steps,
+                             router_chunk=a.router_chunk,
                              out_bytes=(out / "model.safetensors").stat().st_size,
                              finite_logits=_finite_logits(out, a.device))
         print(f"[{layers} layers] parse {res['parse']}", flush=True)
@@ -146,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parse-windows", type=int, default=64)
     ap.add_argument("--parse-steps", type=int, default=10)
     ap.add_argument("--parse-kd-steps", type=int, default=5)
+    ap.add_argument("--router-chunk", type=int, default=0, help="matrices the parse stage's router training holds "
+                    "at a time (0 = all)")
     ap.add_argument("--tmp", type=Path, default=None, help="where the checkpoints go (default: a temp dir)")
     a = ap.parse_args(argv)
     if not usable(a.device, "offline_scale"):

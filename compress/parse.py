@@ -223,6 +223,8 @@ class TrainConfig:
     kd_loss: str = "kl"  # "kl": KL(dense ‖ PARSE); "argmax": cross-entropy to the dense model's argmax token
     # (hard-label distillation: what top-1 agreement counts)
     save_every: int = 50  # steps between resumable train-state writes
+    router_chunk: int = 0  # matrices the layer-local stage trains at a time (0 = all together); a chunk of a
+    # layer's 7 holds that layer's routers, gradients and AdamW moments alone (a 7B pool on one GPU)
 
     def __post_init__(self) -> None:
         if not 1 <= self.prompt_len <= self.window:
@@ -235,6 +237,8 @@ class TrainConfig:
             raise ValueError(f"loss_scope must be 'window' or 'continuation', got {self.loss_scope!r}")
         if self.loss_scope == "continuation" and self.prompt_len == self.window:
             raise ValueError("loss_scope 'continuation' needs prompt_len < window (no continuation to score)")
+        if self.router_chunk < 0:
+            raise ValueError(f"router_chunk must be >= 0 (0 = every matrix at once), got {self.router_chunk}")
         if self.kd_loss not in ("kl", "argmax"):
             raise ValueError(f"kd_loss must be 'kl' or 'argmax', got {self.kd_loss!r}")
 
@@ -386,7 +390,7 @@ def collect(model: Transformer, dense: dict[str, torch.Tensor], windows: torch.T
     x = {router_input(n): torch.empty(P, lins[router_input(n)].in_features) for n in lins}
     a = {n: torch.empty(P, l.rank) for n, l in lins.items()}
     Y = {n: torch.empty(P) for n in lins}
-    zs, G_off, UtW = {}, {}, {}
+    zs, G_off = {}, {}
     for n, l in lins.items():
         U = l.U.detach().float()
         G = U.T @ U  # (r, r)
@@ -394,7 +398,6 @@ def collect(model: Transformer, dense: dict[str, torch.Tensor], windows: torch.T
         norm = G.diagonal().clamp_min(1e-30).sqrt()
         if (off / norm[:, None] / norm[None, :]).abs().max() > ORTHOGONAL_TOL:
             G_off[n], zs[n] = off.cpu(), torch.empty(P, T_s, l.rank)
-        UtW[n] = U.T @ dense[n].float()  # (r, in): Uᵀ y = (UᵀW) x
     rows = slice(0, 0)
 
     def hook(name: str):
@@ -406,7 +409,9 @@ def collect(model: Transformer, dense: dict[str, torch.Tensor], windows: torch.T
             zl, xl = z[:, loss_from:], xt[:, loss_from:]  # the positions the loss covers
             y = xl @ dense[name].float().T  # (B, L - loss_from, out)
             G_ii = (module.U.float() ** 2).sum(0)  # (r,)
-            a[name][rows] = (G_ii * (zl * zl).sum(1) - 2 * (zl * (xl @ UtW[name].T)).sum(1)).cpu()
+            UtW = module.U.float().T @ dense[name].float()  # (r, in): Uᵀ y = (UᵀW) x; formed per batch, not
+            # held for every matrix (at the 7B width they would take as much memory as the routers)
+            a[name][rows] = (G_ii * (zl * zl).sum(1) - 2 * (zl * (xl @ UtW.T)).sum(1)).cpu()
             Y[name][rows] = (y * y).sum((1, 2)).cpu()
             if name in zs:
                 zs[name][rows] = torch.gather(z, 1, sample_dev[rows, :, None].expand(-1, -1, z.shape[-1])).cpu()
@@ -458,6 +463,13 @@ def train_routers(data: RouterData, k: dict[str, int], steps: int, cfg: TrainCon
     term, so it is no bound there). If `state_path` exists the run resumes from it
     (routers, AdamW moments, best-so-far, step); it is rewritten every `cfg.save_every` steps. It runs on the
     data's device (`RouterData.to`), and so do the routers it returns.
+
+    `cfg.router_chunk` > 0 trains the matrices in chunks of that many (in k's order), one after the other, each
+    chunk with its own optimizer and state file (`state_path` with `.{chunk}` before its suffix). Every matrix's
+    loss is its own, so a chunk's steps are the joint run's steps restricted to it (the same batches; AdamW is
+    indifferent to the 1/len(chunk) vs 1/len(k) scale of the mean up to its eps); what changes is memory: the
+    routers, their gradients, AdamW moments and best-so-far of one chunk at a time instead of every matrix's
+    (at the LLaMA-7B width ~3.5 G router parameters, ~70 GB for the joint stage in fp32).
     """
     cfg = cfg or TrainConfig()
     P, dev = data.n, data.windows.device
@@ -469,14 +481,50 @@ def train_routers(data: RouterData, k: dict[str, int], steps: int, cfg: TrainCon
     sd = {n: v[train_idx].std(0).clamp_min(1e-6) for n, v in data.x.items()} if len(train_idx) > 1 else \
         {n: torch.ones_like(v[0]) for n, v in data.x.items()}
     xn = {n: (v - mu[n]) / sd[n] for n, v in data.x.items()}  # (P, in) standardized router inputs
+    size = cfg.router_chunk or len(projs)
+    chunks = [projs[i:i + size] for i in range(0, len(projs), size)]
+    best: dict[str, tuple[torch.Tensor, torch.Tensor, float, str]] = {}  # proj -> (R, b, held-out loss, origin)
+    static_loss: dict[str, float] = {}
+    warm_loss: dict[str, float] = {}
+    for c, chunk in enumerate(chunks):
+        path = None if state_path is None else Path(state_path)
+        if path is not None and len(chunks) > 1:
+            path = path.with_name(f"{path.stem}.{c}{path.suffix}")
+        label = f" {c + 1}/{len(chunks)}" if len(chunks) > 1 else ""
+        best |= _train_chunk(data, {n: k[n] for n in chunk}, steps, cfg, xn, train_idx, val, path,
+                             progress, label, static_loss, warm_loss)
+
+    R, b = {}, {}
+    with torch.no_grad():
+        for n in projs:
+            src = router_input(n)
+            Rn = best[n][0] / sd[src]  # fold (x − μ)/σ into the router
+            R[n], b[n] = Rn.clone(), best[n][1] - Rn @ mu[src]
+        mean = lambda d: round(sum(d.values()) / len(d), 6)  # noqa: E731
+        oracle = {n: data.loss(n, val, _hard(-data.a[n][val], k[n])).mean().item() for n in projs}
+        origins = [best[n][3] for n in projs]
+        report = {"windows_train": len(train_idx), "windows_heldout": n_val, "steps": steps,
+                  "heldout_rel_error": {"static": mean(static_loss), "warm_start": mean(warm_loss),
+                                        "router": mean({n: best[n][2] for n in projs}), "oracle": mean(oracle)},
+                  "kept": {o: origins.count(o) for o in ("static", "warm", "ste")}}
+    return R, b, report
+
+
+def _train_chunk(data: RouterData, k: dict[str, int], steps: int, cfg: TrainConfig, xn: dict[str, torch.Tensor],
+                 train_idx: torch.Tensor, val: torch.Tensor, state_path: Path | None, progress: bool, label: str,
+                 static_loss: dict[str, float], warm_loss: dict[str, float],
+                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor, float, str]]:
+    """`train_routers`' three steps for the matrices of `k` (one chunk): fills static_loss and warm_loss for them
+    and returns their best routers {proj: (R, b, held-out loss, origin)} in the standardized-input form."""
+    dev = data.windows.device
+    projs = list(k)
 
     def heldout(n: str, R: torch.Tensor, b: torch.Tensor) -> float:
         return data.loss(n, val, _hard(xn[router_input(n)][val] @ R.T + b, k[n])).mean().item()
 
     params = torch.nn.ParameterDict()
-    best: dict[str, tuple[torch.Tensor, torch.Tensor, float, str]] = {}  # proj -> (R, b, held-out loss, origin)
-    static_loss, warm_loss = {}, {}
-    for n in tqdm(projs, desc="ridge warm start", unit="matrix", disable=not progress):
+    best: dict[str, tuple[torch.Tensor, torch.Tensor, float, str]] = {}
+    for n in tqdm(projs, desc=f"ridge warm start{label}", unit="matrix", disable=not progress):
         r, d = data.a[n].shape[1], xn[router_input(n)].shape[1]
         ramp = torch.linspace(1.0, -1.0, r, device=dev)  # R = 0 with a descending bias: the static first K
         R0, b0 = _ridge(xn[router_input(n)], data.a[n], data.Y[n], train_idx, cfg.ridge,
@@ -495,11 +543,11 @@ def train_routers(data: RouterData, k: dict[str, int], steps: int, cfg: TrainCon
                              {"params": rest, "weight_decay": 0.0}], lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg.warmup, 1)))
     start = 0
-    if state_path is not None and Path(state_path).is_file():
-        start = _load_state(Path(state_path), params, opt, sched, best)
+    if state_path is not None and state_path.is_file():
+        start = _load_state(state_path, params, opt, sched, best)
 
-    bar = tqdm(range(start, steps), desc="train routers (STE)", unit="step", disable=not progress, initial=start,
-               total=steps)
+    bar = tqdm(range(start, steps), desc=f"train routers (STE){label}", unit="step", disable=not progress,
+               initial=start, total=steps)
     for step in bar:
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # batches independent of resumption
         idx = train_idx[torch.randint(len(train_idx), (min(cfg.batch_size, len(train_idx)),), generator=g).to(dev)]
@@ -519,23 +567,9 @@ def train_routers(data: RouterData, k: dict[str, int], steps: int, cfg: TrainCon
                     if h < best[n][2]:
                         best[n] = (Rn.clone(), bn.clone(), h, "ste")
         if state_path is not None and ((step + 1) % cfg.save_every == 0 or step + 1 == steps):
-            _save_state(Path(state_path), params, opt, best, step + 1)
+            _save_state(state_path, params, opt, best, step + 1)
     bar.close()
-
-    R, b = {}, {}
-    with torch.no_grad():
-        for n in projs:
-            src = router_input(n)
-            Rn = best[n][0] / sd[src]  # fold (x − μ)/σ into the router
-            R[n], b[n] = Rn.clone(), best[n][1] - Rn @ mu[src]
-        mean = lambda d: round(sum(d.values()) / len(d), 6)  # noqa: E731
-        oracle = {n: data.loss(n, val, _hard(-data.a[n][val], k[n])).mean().item() for n in projs}
-        origins = [best[n][3] for n in projs]
-        report = {"windows_train": len(train_idx), "windows_heldout": n_val, "steps": steps,
-                  "heldout_rel_error": {"static": mean(static_loss), "warm_start": mean(warm_loss),
-                                        "router": mean({n: best[n][2] for n in projs}), "oracle": mean(oracle)},
-                  "kept": {o: origins.count(o) for o in ("static", "warm", "ste")}}
-    return R, b, report
+    return best
 
 
 def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k: dict[str, int],
@@ -924,11 +958,16 @@ def _ridge(x: torch.Tensor, a: torch.Tensor, Y: torch.Tensor, idx: torch.Tensor,
     std over the training windows so that AdamW's step size means the same for every matrix."""
     X, G = x[idx].double(), (-a[idx] / Y[idx, None].clamp_min(1e-30)).double()  # (n, in), (n, r)
     g0 = G.mean(0)
-    lam, Q = torch.linalg.eigh(X.T @ X)  # X is centered: no intercept column needed
-    QtXtG = Q.T @ (X.T @ (G - g0))  # (in, r)
+    n, d = X.shape
+    if n >= d:  # X is centered: no intercept column needed
+        lam, Q = torch.linalg.eigh(X.T @ X)  # (in,), (in, in)
+        left, right = Q, Q.T @ (X.T @ (G - g0))  # W = Q diag(1/(λ_i + c n)) Qᵀ Xᵀ G
+    else:  # fewer windows than inputs (a 7B model's 11008): the same W = Xᵀ (X Xᵀ + c n)⁻¹ G from the (n, n) kernel
+        lam, Q = torch.linalg.eigh(X @ X.T)  # (n,), (n, n)
+        left, right = X.T @ Q, Q.T @ (G - g0)
     out, best = None, float("inf")
     for c in grid:
-        W = Q @ (QtXtG / (lam + c * len(idx))[:, None])  # (in, r)
+        W = left @ (right / (lam + c * n)[:, None])  # (in, r)
         scale = (X @ W + g0).std().clamp_min(1e-30)
         R, b = (W.T / scale).float(), (g0 / scale).float()
         s = score(R, b)

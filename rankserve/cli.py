@@ -442,6 +442,8 @@ def train_parse_cmd(
                                              "window (every token, the default) or continuation (after the prompt)"),
     kd_loss: Optional[str] = typer.Option(None, "--kd-loss", help="end-to-end loss: kl (to the dense model, the "
                                           "default) or argmax (cross-entropy to the dense argmax token)"),
+    router_chunk: Optional[int] = typer.Option(None, "--router-chunk", help="matrices the layer-local stage trains "
+                                               "at a time (default 0 = all; 7 = a layer's, for a 7B model on one GPU)"),
     group_size: int = typer.Option(2, "--group-size", help="basis-sharing: consecutive layers per shared basis"),
     work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="resumable intermediates (default: "
                                             ".OUT.parse-work next to OUT, removed after success)"),
@@ -470,6 +472,8 @@ def train_parse_cmd(
         _fail(f"unknown --svd-route {svd_route!r}; choose one of: {', '.join(SVD_ROUTES)}")
     if steps < 0 or kd_steps < 0 or calib_tokens <= 0:
         _fail("--steps and --kd-steps must be >= 0, --calib-tokens positive")
+    if router_chunk is not None and router_chunk < 0:
+        _fail(f"--router-chunk must be >= 0 (0 = every matrix at once), got {router_chunk}")
     if (pool is None) == (calib_text is None):
         _fail("give --calib-text (a pool built from DENSE by --base) or --pool CHECKPOINT (its own components), "
               "not both")
@@ -494,7 +498,7 @@ def train_parse_cmd(
             read_config(pool)
         check_out_dir(out)
         knobs = dict(windows=windows, window=window, prompt_len=prompt_len, batch_size=batch_size, kd_batch=kd_batch,
-                     seed=seed, loss_scope=loss_scope, kd_loss=kd_loss)
+                     seed=seed, loss_scope=loss_scope, kd_loss=kd_loss, router_chunk=router_chunk)
         train = TrainConfig(**{k: v for k, v in knobs.items() if v is not None})
         check_work_dir(work)  # never delete or mix into a foreign dir
         discard = is_work_dir(work) and not resume  # build_parse_checkpoint deletes it once every input is checked

@@ -184,10 +184,11 @@ def test_import_without_a_tokenizer_says_so(tmp_path):
 @pytest.fixture(scope="module")
 def parse_model(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("parse") / "p"
-    p = rankserve("train-parse", BUNDLED, out, *PARSE_ARGS, "--json")
+    p = rankserve("train-parse", BUNDLED, out, *PARSE_ARGS, "--router-chunk", "7", "--json")  # a layer at a time
     assert p.returncode == 0, p.stderr
     info = json.loads(p.stdout)
     assert info["out"] == str(out) and info["base"] == "svd-llm" and info["matrices"] == 35
+    assert json.loads((out / "rankserve.json").read_text())["methods"]["parse"]["training"]["router_chunk"] == 7
     assert info["k"] < info["r_max"] and abs(info["keep_compute"] - 0.6) < 0.02 and info["resumed"] is False
     assert not (out.parent / ".p.parse-work").exists()  # intermediates go once the checkpoint is in place
     return out
@@ -252,6 +253,8 @@ def test_train_parse_bad_inputs(tmp_path):
     assert_clean_error(rankserve("train-parse", BUNDLED, out, *PARSE_ARGS, "--keep", "0"), "--keep must be in (0, 1]")
     assert_clean_error(rankserve("train-parse", BUNDLED, out, *PARSE_ARGS, "--keep", "1.5"), "--keep must be in (0, 1]")
     assert_clean_error(rankserve("train-parse", BUNDLED, out, *PARSE_ARGS, "--base", "dobi"), "unknown PARSE base")
+    assert_clean_error(rankserve("train-parse", BUNDLED, out, *PARSE_ARGS, "--router-chunk", "-1"),
+                       "--router-chunk must be >= 0")
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")
     assert_clean_error(rankserve("train-parse", BUNDLED, out, *PARSE_ARGS, "--train-text", empty), "is empty")

@@ -137,6 +137,63 @@ def test_train_routers_resumes_to_the_same_result(tmp_path):
     assert rep["steps"] == 6
 
 
+def _three_matrix_data(seed: int = 3) -> tuple[RouterData, dict[str, int]]:
+    g = torch.Generator().manual_seed(seed)
+    P, r, d = 48, 10, 6
+    names = ["layers.0.attn.q", "layers.0.attn.k", "layers.0.mlp.down"]
+    x = {"layers.0.attn.q": torch.randn(P, d, generator=g), "layers.0.mlp.down": torch.randn(P, d + 2, generator=g)}
+    data = RouterData(windows=torch.zeros(P, 4, dtype=torch.long), x=x,
+                      a={n: -torch.rand(P, r, generator=g) * (1 + torch.arange(r).flip(0) / r) for n in names},
+                      Y={n: torch.full((P,), 12.0) for n in names}, zs={}, G_off={}, scale=1.0)
+    return data, {"layers.0.attn.q": 4, "layers.0.attn.k": 3, "layers.0.mlp.down": 5}
+
+
+def test_routers_trained_in_chunks_equal_the_joint_run(tmp_path):
+    """router_chunk trains the matrices a chunk at a time: every matrix's loss is its own, so the routers are the
+    joint run's (up to AdamW's eps, which sees the mean's other scale), and an interrupted chunked run resumes from
+    its per-chunk state files to the same result."""
+    data, k = _three_matrix_data()
+    knobs = dict(batch_size=8, save_every=3, eval_every=2, warmup=2, lr=3e-2, holdout=0.25)
+    joint, chunked = TrainConfig(**knobs), TrainConfig(**knobs, router_chunk=2)
+    R0, b0, rep0 = train_routers(data, k, 20, joint, progress=False)
+    R1, b1, rep1 = train_routers(data, k, 20, chunked, tmp_path / "s.safetensors", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.0.safetensors", "s.1.safetensors"]
+    for n in k:
+        assert torch.allclose(R0[n], R1[n], rtol=1e-3, atol=1e-5) and torch.allclose(b0[n], b1[n], rtol=1e-3, atol=1e-5)
+        src = "layers.0.attn.q" if n != "layers.0.mlp.down" else n
+        picks = lambda R, b: (data.x[src] @ R.T + b).topk(k[n], -1).indices.sort(-1).values  # noqa: E731
+        assert torch.equal(picks(R0[n], b0[n]), picks(R1[n], b1[n]))
+    assert rep0["heldout_rel_error"] == pytest.approx(rep1["heldout_rel_error"], rel=1e-4)
+    assert rep0["kept"] == rep1["kept"] and rep0["kept"]["ste"] == 2  # the STE iterates are compared too
+    (tmp_path / "s.0.safetensors").unlink()
+    (tmp_path / "s.1.safetensors").unlink()
+    train_routers(data, k, 9, chunked, tmp_path / "s.safetensors", progress=False)  # interrupted at step 9 ...
+    R2, b2, _ = train_routers(data, k, 20, chunked, tmp_path / "s.safetensors", progress=False)  # ... resumed
+    for n in k:
+        assert torch.allclose(R1[n], R2[n], atol=1e-6) and torch.allclose(b1[n], b2[n], atol=1e-6)
+
+
+@pytest.mark.parametrize("n, d", [(30, 8), (8, 30)])  # more windows than inputs (primal), fewer (the kernel form)
+def test_ridge_warm_start_solves_the_ridge_problem(n, d):
+    from rankserve.compress.parse import _ridge
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64)
+    x = (x - x.mean(0)).float()
+    a, Y = -torch.rand(n, 4, generator=g), torch.full((n,), 2.0)
+    R, b = _ridge(x, a, Y, torch.arange(n), (0.3,), lambda R, b: 0.0)
+    X, G = x.double(), (-a / 2.0).double()
+    W = torch.linalg.solve(X.T @ X + 0.3 * n * torch.eye(d, dtype=torch.float64), X.T @ (G - G.mean(0)))
+    scale = (X @ W + G.mean(0)).std()
+    assert torch.allclose(R.double(), W.T / scale, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(b.double(), G.mean(0) / scale, rtol=1e-5)
+
+
+def test_router_chunk_is_checked():
+    with pytest.raises(ValueError, match="router_chunk"):
+        TrainConfig(router_chunk=-1)
+
+
 @pytest.mark.parametrize("bad, match", [(dict(loss_scope="prompt"), "loss_scope"), (dict(kd_loss="mse"), "kd_loss"),
                                         (dict(loss_scope="continuation", prompt_len=32, window=32), "continuation")])
 def test_kd_knobs_are_checked(bad, match):
