@@ -228,13 +228,43 @@ def compress_model(model_dir: str | Path, out_dir: str | Path, method: str,
     store_dtype = src.embed.weight.dtype
     src = src.float()
     cfg = src.cfg
-    dense = {name: lin.dense_weight().detach() for name, lin in src.projections().items()}  # W (out, in) fp32
     ranks, groups = plan_factors(cfg, method, keep, group_size)
+    model, kinds, calibration = stream_factors(src, Tokenizer.load(model_dir), method, ranks, groups,
+                                               calib_text if needs_calib else None, calib_tokens, calib_seq_len,
+                                               calib_batch_size, device, progress, svd_route)
 
-    calibrated = needs_calib and any(r is not None for r in ranks.values())
-    if calibrated:  # the text is tokenized and checked before any work
-        batches, seq_len = calibration_batches(src, Tokenizer.load(model_dir), calib_text, calib_tokens,
-                                               calib_seq_len, calib_batch_size, progress)
+    kept, total = count_params(cfg, ranks, groups)
+    provenance = {"method": method, "keep_requested": keep, "keep_achieved": round(kept / total, 6),
+                  "source": str(Path(model_dir)), "source_family": src_manifest.family,
+                  "source_keep": src_manifest.keep, "multiplied_out": any(l.factorized for l in src.projections().values())}
+    if method == "basis-sharing":
+        provenance["group_size"] = group_size
+        provenance["shared"] = list(SHARED)
+    if any(r is not None for r in ranks.values()):
+        provenance["svd_route"] = svd_route
+    if calibration is not None:
+        provenance["calibration"] = calibration
+        provenance["whitening"] = kinds
+    manifest = Manifest(family=method, ranks={}, source=Path(model_dir).name, provenance=provenance)
+    return save_checkpoint(out_dir, model, manifest, tokenizer_dir=model_dir, dtype=store_dtype)
+
+
+def stream_factors(src: Transformer, tokenizer: Tokenizer, method: str, ranks: dict[str, int | None],
+                   groups: dict[str, list[str]], calib_text: str | Path | None, calib_tokens: int,
+                   calib_seq_len: int | None, calib_batch_size: int, device: str, progress: bool,
+                   svd_route: str) -> tuple[Transformer, dict[str, int], dict | None]:
+    """`src` (fp32, on the CPU) factorized by `method` at `ranks`: the model (fp32, on the CPU), the count of each
+    whitening kind used, and the calibration record (None without calibration text or factorized matrices).
+
+    `device` sees one decoder layer (calibration: the windows' hidden states, the layer, its Grams) and one matrix
+    (its factors, fp64) at a time; each matrix is factorized as soon as its Grams are in and its Grams dropped,
+    so neither the model nor every layer's Grams (44 GB at the 7B width) are ever on `device` at once. The text is
+    tokenized and checked before any other work."""
+    dense = {name: lin.dense_weight().detach() for name, lin in src.projections().items()}  # W (out, in) fp32
+    calibrated = calib_text is not None and any(r is not None for r in ranks.values())
+    if calibrated:
+        batches, seq_len = calibration_batches(src, tokenizer, calib_text, calib_tokens, calib_seq_len,
+                                               calib_batch_size, progress)
     model = _with_head(src, ranks, groups, "cpu")
     filler = Factorizer(model, dense, method, ranks, groups, device, progress, svd_route)
     try:
@@ -251,21 +281,7 @@ def compress_model(model_dir: str | Path, out_dir: str | Path, method: str,
     calibration = None
     if calibrated:
         calibration = {"text": Path(calib_text).name, "tokens": sum(b.numel() for b in batches), "seq_len": seq_len}
-
-    kept, total = count_params(cfg, ranks, groups)
-    provenance = {"method": method, "keep_requested": keep, "keep_achieved": round(kept / total, 6),
-                  "source": str(Path(model_dir)), "source_family": src_manifest.family,
-                  "source_keep": src_manifest.keep, "multiplied_out": any(l.factorized for l in src.projections().values())}
-    if method == "basis-sharing":
-        provenance["group_size"] = group_size
-        provenance["shared"] = list(SHARED)
-    if any(r is not None for r in ranks.values()):
-        provenance["svd_route"] = svd_route
-    if calibration is not None:
-        provenance["calibration"] = calibration
-        provenance["whitening"] = filler.kinds
-    manifest = Manifest(family=method, ranks={}, source=Path(model_dir).name, provenance=provenance)
-    return save_checkpoint(out_dir, model, manifest, tokenizer_dir=model_dir, dtype=store_dtype)
+    return model, filler.kinds, calibration
 
 
 def factorized(src: Transformer, dense: dict[str, torch.Tensor], stats: CalibStats | None, method: str,

@@ -61,8 +61,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from rankserve.compress.calibrate import calibrate
-from rankserve.compress.factorize import factorized, plan_factors
+from rankserve.compress.factorize import plan_factors, stream_factors
 from rankserve.workers.checkpoint import (CheckpointError, Manifest, count_params, check_checkpoint, load_checkpoint,
                                           save_checkpoint)
 from rankserve.workers.model import Transformer
@@ -183,16 +182,14 @@ def build_pool(dense_dir: str | Path, base: str, keep: float, calib_text: str | 
     Calibration and factorization are `compress_model`'s own (same defaults), so the first K components of
     each matrix are the static checkpoint's factors.
     """
-    src, _ = load_checkpoint(dense_dir, device, torch.float32)
-    cfg = src.cfg
-    k, r_max, groups = plan_experts(cfg, base, keep, pool_factor, group_size)
+    src, _ = load_checkpoint(dense_dir, "cpu", torch.float32)  # the source stays on the CPU, as in compress_model:
+    # `device` sees a decoder layer and a matrix at a time (a 7B source and its Grams would not fit one GPU)
+    k, r_max, groups = plan_experts(src.cfg, base, keep, pool_factor, group_size)
     ranks = {n: r_max.get(n) for n in src.projections()}
-    dense = {name: lin.dense_weight().detach() for name, lin in src.projections().items()}
-    stats = calibrate(src, Tokenizer.load(dense_dir), calib_text, max_tokens=calib_tokens, seq_len=calib_seq_len,
-                      progress=progress)
-    model, _ = factorized(src, dense, stats, base, ranks, groups, progress, device, svd_route)
-    model.eval()
-    return model, k, r_max
+    model, _, _ = stream_factors(src, Tokenizer.load(dense_dir), base, ranks, groups, calib_text, calib_tokens,
+                                 calib_seq_len, 8, device, progress, svd_route)
+    del src
+    return model.eval().to(device), k, r_max
 
 
 # --- training data -------------------------------------------------------------------------------
@@ -833,6 +830,7 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
                                          group_size, progress=progress, device=device, svd_route=svd_route)
             pm = Manifest(family=base, ranks={}, source=dense_dir.name, provenance={"parse_pool": True, "k": k})
             save_checkpoint(pool_dir, model, pm, tokenizer_dir=dense_dir, dtype=store_dtype)
+            del model  # reloaded below: one copy on the device at a time
         model, pm = load_checkpoint(pool_dir, device, torch.float32)
         k = pm.provenance["k"]
         r_max = {n: r for n, r in pm.ranks.items() if r is not None}
