@@ -515,6 +515,12 @@ def _train_chunk(data: RouterData, k: dict[str, int], steps: int, cfg: TrainConf
     and returns their best routers {proj: (R, b, held-out loss, origin)} in the standardized-input form."""
     dev = data.windows.device
     projs = list(k)
+    done = _load_done(state_path, steps, dev) if state_path is not None else None
+    if done is not None:  # finished by an earlier run: its result, without the warm start or a step again
+        best, static, warm = done
+        static_loss |= static
+        warm_loss |= warm
+        return best
 
     def heldout(n: str, R: torch.Tensor, b: torch.Tensor) -> float:
         return data.loss(n, val, _hard(xn[router_input(n)][val] @ R.T + b, k[n])).mean().item()
@@ -563,9 +569,11 @@ def _train_chunk(data: RouterData, k: dict[str, int], steps: int, cfg: TrainConf
                     h = heldout(n, Rn, bn)
                     if h < best[n][2]:
                         best[n] = (Rn.clone(), bn.clone(), h, "ste")
-        if state_path is not None and ((step + 1) % cfg.save_every == 0 or step + 1 == steps):
+        if state_path is not None and (step + 1) % cfg.save_every == 0 and step + 1 < steps:
             _save_state(state_path, params, opt, best, step + 1)
     bar.close()
+    if state_path is not None:  # finished: only the result is kept (a quarter of the state's bytes)
+        _save_done(state_path, best, steps, {n: static_loss[n] for n in projs}, {n: warm_loss[n] for n in projs})
     return best
 
 
@@ -988,10 +996,39 @@ def _save_state(path: Path, params, opt, best, step: int) -> None:
     tmp.replace(path)
 
 
+def _save_done(path: Path, best, steps: int, static: dict[str, float], warm: dict[str, float]) -> None:
+    """A finished layer-local run's result: the best routers and the losses its report needs, no optimizer."""
+    t = {}
+    for n, (R, b, _, _) in best.items():
+        t[f"best.{n}.R"], t[f"best.{n}.b"] = R, b
+    meta = {"done": str(steps), "best": json.dumps({n: [v[2], v[3]] for n, v in best.items()}),
+            "static": json.dumps(static), "warm": json.dumps(warm)}
+    tmp = path.with_suffix(".tmp")
+    save_file({k: v.contiguous() for k, v in t.items()}, str(tmp), metadata=meta)
+    tmp.replace(path)
+
+
+def _load_done(path: Path, steps: int, dev) -> tuple[dict, dict[str, float], dict[str, float]] | None:
+    """The result `_save_done` wrote for the same `steps`; None when `path` is absent, a state of an unfinished run
+    (`_load_state` reads it), or finished at another step count (the run is then done again from its start: the
+    same batches give the same result)."""
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        if meta.get("done") != str(steps):
+            return None
+        best = {n: (f.get_tensor(f"best.{n}.R").to(dev), f.get_tensor(f"best.{n}.b").to(dev), loss, origin)
+                for n, (loss, origin) in json.loads(meta["best"]).items()}
+    return best, json.loads(meta["static"]), json.loads(meta["warm"])
+
+
 def _load_state(path: Path, params, opt, sched, best) -> int:
     """Restore routers, AdamW moments, schedule and best-so-far from `path`; returns the step reached."""
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
+        if "done" in meta:  # a result for another step count (`_load_done`): start over
+            return 0
         step = int(meta["step"])
         keys = set(f.keys())
         with torch.no_grad():

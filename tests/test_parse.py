@@ -120,7 +120,20 @@ def test_multilinear_loss_equals_reconstruction_error_on_hard_masks(loss_from):
     assert torch.allclose(data.loss(name, torch.arange(3), m.float()).double(), direct, rtol=1e-4)
 
 
-def test_train_routers_resumes_to_the_same_result(tmp_path):
+def _interrupt_after_first_save(monkeypatch):
+    """Make the next train-state write the last thing a run does (as if it were killed right after it)."""
+    import rankserve.compress.parse as parse_mod
+
+    real = parse_mod._save_state
+
+    def save_then_die(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(parse_mod, "_save_state", save_then_die)
+
+
+def test_train_routers_resumes_to_the_same_result(tmp_path, monkeypatch):
     g = torch.Generator().manual_seed(2)
     P, r, d = 40, 8, 6
     data = RouterData(windows=torch.zeros(P, 4, dtype=torch.long),
@@ -129,12 +142,28 @@ def test_train_routers_resumes_to_the_same_result(tmp_path):
                       zs={}, G_off={}, scale=1.0)
     k = {"layers.0.attn.q": 3}
     cfg = TrainConfig(batch_size=8, save_every=3, eval_every=2, warmup=2)
-    R_full, b_full, _ = train_routers(data, k, 6, cfg, tmp_path / "a.safetensors", progress=False)
-    train_routers(data, k, 3, cfg, tmp_path / "b.safetensors", progress=False)  # interrupted at step 3 ...
+    R_full, b_full, rep_full = train_routers(data, k, 6, cfg, tmp_path / "a.safetensors", progress=False)
+    with monkeypatch.context() as m:
+        _interrupt_after_first_save(m)
+        with pytest.raises(KeyboardInterrupt):  # killed right after its step-3 state write ...
+            train_routers(data, k, 6, cfg, tmp_path / "b.safetensors", progress=False)
     R_res, b_res, rep = train_routers(data, k, 6, cfg, tmp_path / "b.safetensors", progress=False)  # ... resumed
     assert torch.allclose(R_full["layers.0.attn.q"], R_res["layers.0.attn.q"], atol=1e-6)
     assert torch.allclose(b_full["layers.0.attn.q"], b_res["layers.0.attn.q"], atol=1e-6)
     assert rep["steps"] == 6
+    # a finished run keeps its result only (no AdamW moments), and a rerun reads it without training again
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "a.safetensors"), "pt") as f:
+        assert f.metadata()["done"] == "6" and not any(key.startswith(("opt.", "param.")) for key in f.keys())
+    with monkeypatch.context() as m:
+        m.setattr("rankserve.compress.parse._ridge", lambda *a, **kw: pytest.fail("trained again"))
+        R_again, b_again, rep_again = train_routers(data, k, 6, cfg, tmp_path / "a.safetensors", progress=False)
+    assert torch.equal(R_again["layers.0.attn.q"], R_full["layers.0.attn.q"]) and rep_again == rep_full
+    # finished at another step count: done again from the start, to the uninterrupted result
+    R_8, _, _ = train_routers(data, k, 8, cfg, tmp_path / "c.safetensors", progress=False)
+    R_8b, _, _ = train_routers(data, k, 8, cfg, tmp_path / "a.safetensors", progress=False)
+    assert torch.allclose(R_8["layers.0.attn.q"], R_8b["layers.0.attn.q"], atol=1e-6)
 
 
 def _three_matrix_data(seed: int = 3) -> tuple[RouterData, dict[str, int]]:
@@ -148,7 +177,7 @@ def _three_matrix_data(seed: int = 3) -> tuple[RouterData, dict[str, int]]:
     return data, {"layers.0.attn.q": 4, "layers.0.attn.k": 3, "layers.0.mlp.down": 5}
 
 
-def test_routers_trained_in_chunks_equal_the_joint_run(tmp_path):
+def test_routers_trained_in_chunks_equal_the_joint_run(tmp_path, monkeypatch):
     """router_chunk trains the matrices a chunk at a time: every matrix's loss is its own, so the routers are the
     joint run's (up to AdamW's eps, which sees the mean's other scale), and an interrupted chunked run resumes from
     its per-chunk state files to the same result."""
@@ -167,8 +196,14 @@ def test_routers_trained_in_chunks_equal_the_joint_run(tmp_path):
     assert rep0["kept"] == rep1["kept"] and rep0["kept"]["ste"] == 2  # the STE iterates are compared too
     (tmp_path / "s.0.safetensors").unlink()
     (tmp_path / "s.1.safetensors").unlink()
-    train_routers(data, k, 9, chunked, tmp_path / "s.safetensors", progress=False)  # interrupted at step 9 ...
-    R2, b2, _ = train_routers(data, k, 20, chunked, tmp_path / "s.safetensors", progress=False)  # ... resumed
+    first = train_routers(data, k, 20, chunked, tmp_path / "t.safetensors", progress=False)  # chunk 0 done ...
+    (tmp_path / "t.1.safetensors").unlink()
+    with monkeypatch.context() as m:
+        _interrupt_after_first_save(m)
+        with pytest.raises(KeyboardInterrupt):  # ... chunk 1 killed after its step-3 state write
+            train_routers(data, k, 20, chunked, tmp_path / "t.safetensors", progress=False)
+    R2, b2, _ = train_routers(data, k, 20, chunked, tmp_path / "t.safetensors", progress=False)  # ... resumed
+    assert all(torch.equal(first[0][n], R2[n]) for n in k)
     for n in k:
         assert torch.allclose(R1[n], R2[n], atol=1e-6) and torch.allclose(b1[n], b2[n], atol=1e-6)
 
