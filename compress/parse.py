@@ -515,7 +515,7 @@ def _train_chunk(data: RouterData, k: dict[str, int], steps: int, cfg: TrainConf
     and returns their best routers {proj: (R, b, held-out loss, origin)} in the standardized-input form."""
     dev = data.windows.device
     projs = list(k)
-    done = _load_done(state_path, steps, dev) if state_path is not None else None
+    done = _load_done(state_path, steps, projs, dev) if state_path is not None else None
     if done is not None:  # finished by an earlier run: its result, without the warm start or a step again
         best, static, warm = done
         static_loss |= static
@@ -965,10 +965,11 @@ def _ridge(x: torch.Tensor, a: torch.Tensor, Y: torch.Tensor, idx: torch.Tensor,
     X, G = x[idx].double(), (-a[idx] / Y[idx, None].clamp_min(1e-30)).double()  # (n, in), (n, r)
     g0 = G.mean(0)
     n, d = X.shape
-    if n >= d:  # X is centered: no intercept column needed
+    if 2 * n > d:  # X is centered: no intercept column needed
         lam, Q = torch.linalg.eigh(X.T @ X)  # (in,), (in, in)
         left, right = Q, Q.T @ (X.T @ (G - g0))  # W = Q diag(1/(λ_i + c n)) Qᵀ Xᵀ G
-    else:  # fewer windows than inputs (a 7B model's 11008): the same W = Xᵀ (X Xᵀ + c n)⁻¹ G from the (n, n) kernel
+    else:  # under half as many windows as inputs (a 7B model's 4096 / 11008): the same W = Xᵀ (X Xᵀ + c n)⁻¹ G
+        # from the (n, n) kernel, its eigensolve at most an eighth of the (in, in) one's
         lam, Q = torch.linalg.eigh(X @ X.T)  # (n,), (n, n)
         left, right = X.T @ Q, Q.T @ (G - g0)
     out, best = None, float("inf")
@@ -1008,15 +1009,15 @@ def _save_done(path: Path, best, steps: int, static: dict[str, float], warm: dic
     tmp.replace(path)
 
 
-def _load_done(path: Path, steps: int, dev) -> tuple[dict, dict[str, float], dict[str, float]] | None:
-    """The result `_save_done` wrote for the same `steps`; None when `path` is absent, a state of an unfinished run
-    (`_load_state` reads it), or finished at another step count (the run is then done again from its start: the
-    same batches give the same result)."""
+def _load_done(path: Path, steps: int, projs: list[str], dev) -> tuple[dict, dict[str, float], dict[str, float]] | None:
+    """The result `_save_done` wrote for the same `steps` and matrices; None when `path` is absent, a state of an
+    unfinished run (`_load_state` reads it), or finished at another step count or for other matrices (the run is
+    then done again from its start: the same batches give the same result)."""
     if not path.is_file():
         return None
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
-        if meta.get("done") != str(steps):
+        if meta.get("done") != str(steps) or sorted(json.loads(meta["best"])) != sorted(projs):
             return None
         best = {n: (f.get_tensor(f"best.{n}.R").to(dev), f.get_tensor(f"best.{n}.b").to(dev), loss, origin)
                 for n, (loss, origin) in json.loads(meta["best"]).items()}
