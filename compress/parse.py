@@ -488,8 +488,11 @@ def train_routers(data: RouterData, k: dict[str, int], steps: int, cfg: TrainCon
         if path is not None and len(chunks) > 1:
             path = path.with_name(f"{path.stem}.{c}{path.suffix}")
         label = f" {c + 1}/{len(chunks)}" if len(chunks) > 1 else ""
-        best |= _train_chunk(data, {n: k[n] for n in chunk}, steps, cfg, xn, train_idx, val, path,
-                             progress, label, static_loss, warm_loss)
+        chunk_best, static, warm = _train_chunk(data, {n: k[n] for n in chunk}, steps, cfg, xn, train_idx, val,
+                                                path, progress, label)
+        best |= chunk_best
+        static_loss |= static
+        warm_loss |= warm
 
     R, b = {}, {}
     with torch.no_grad():
@@ -509,24 +512,23 @@ def train_routers(data: RouterData, k: dict[str, int], steps: int, cfg: TrainCon
 
 def _train_chunk(data: RouterData, k: dict[str, int], steps: int, cfg: TrainConfig, xn: dict[str, torch.Tensor],
                  train_idx: torch.Tensor, val: torch.Tensor, state_path: Path | None, progress: bool, label: str,
-                 static_loss: dict[str, float], warm_loss: dict[str, float],
-                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor, float, str]]:
-    """`train_routers`' three steps for the matrices of `k` (one chunk): fills static_loss and warm_loss for them
-    and returns their best routers {proj: (R, b, held-out loss, origin)} in the standardized-input form."""
+                 ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor, float, str]], dict[str, float],
+                            dict[str, float]]:
+    """`train_routers`' three steps for the matrices of `k` (one chunk): their best routers {proj: (R, b, held-out
+    loss, origin)} in the standardized-input form, and their held-out losses at static and at the warm start."""
     dev = data.windows.device
     projs = list(k)
     done = _load_done(state_path, steps, projs, dev) if state_path is not None else None
     if done is not None:  # finished by an earlier run: its result, without the warm start or a step again
-        best, static, warm = done
-        static_loss |= static
-        warm_loss |= warm
-        return best
+        return done
 
     def heldout(n: str, R: torch.Tensor, b: torch.Tensor) -> float:
         return data.loss(n, val, _hard(xn[router_input(n)][val] @ R.T + b, k[n])).mean().item()
 
     params = torch.nn.ParameterDict()
     best: dict[str, tuple[torch.Tensor, torch.Tensor, float, str]] = {}
+    static_loss: dict[str, float] = {}
+    warm_loss: dict[str, float] = {}
     for n in tqdm(projs, desc=f"ridge warm start{label}", unit="matrix", disable=not progress):
         r, d = data.a[n].shape[1], xn[router_input(n)].shape[1]
         ramp = torch.linspace(1.0, -1.0, r, device=dev)  # R = 0 with a descending bias: the static first K
@@ -573,8 +575,8 @@ def _train_chunk(data: RouterData, k: dict[str, int], steps: int, cfg: TrainConf
             _save_state(state_path, params, opt, best, step + 1)
     bar.close()
     if state_path is not None:  # finished: only the result is kept (a quarter of the state's bytes)
-        _save_done(state_path, best, steps, {n: static_loss[n] for n in projs}, {n: warm_loss[n] for n in projs})
-    return best
+        _save_done(state_path, best, steps, static_loss, warm_loss)
+    return best, static_loss, warm_loss
 
 
 def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k: dict[str, int],
