@@ -15,13 +15,16 @@ speed and memory do not depend on the weights' values. For each layer count:
 
     python -m rankserve.bench.offline_scale --out offline-scale-h200.json --layers 2 --stages calibrate compress parse
     python -m rankserve.bench.offline_scale --out offline-scale-h200-32.json --layers 32 --stages calibrate
+    python -m rankserve.bench.offline_scale --out o.json --layers 32 --stages parse --work W  # rerun resumes a cut run
     python -m rankserve.bench.offline_scale --device cpu --preset tiny --out /tmp/os.json --calib-tokens 2048  # smoke
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import resource
+import shutil
 import sys
 import tempfile
 import time
@@ -96,7 +99,9 @@ def run_layers(res: dict[str, Any], stages: list[str], a: argparse.Namespace, tm
     keeps what it finished)."""
     layers = res["layers"]
     route = resolve_route(a.svd_route, a.device)  # the route `auto` takes here, recorded in each row
-    dense = random_dense(tmp / f"dense-{layers}", a.preset, layers)
+    dense = tmp / f"dense-{layers}"
+    if not (dense / "model.safetensors").is_file():  # a kept work dir's source is reused (its saves are atomic)
+        random_dense(dense, a.preset, layers)
     res["dense_bytes"] = (dense / "model.safetensors").stat().st_size
     tok = Tokenizer.load(dense)
     if "calibrate" in stages:
@@ -110,6 +115,7 @@ def run_layers(res: dict[str, Any], stages: list[str], a: argparse.Namespace, tm
         save()
         del model, stats
     if "compress" in stages:
+        shutil.rmtree(tmp / f"svd-llm-{layers}", ignore_errors=True)  # a kept work dir's earlier output
         with Meter(a.device) as m:
             out = compress_model(dense, tmp / f"svd-llm-{layers}", "svd-llm", a.keep, calib_text=a.calib,
                                  calib_tokens=a.calib_tokens, device=a.device, svd_route=route, progress=False)
@@ -120,13 +126,17 @@ def run_layers(res: dict[str, Any], stages: list[str], a: argparse.Namespace, tm
     if "parse" in stages:
         train = TrainConfig(windows=a.parse_windows, window=128, prompt_len=64, batch_size=16, kd_batch=4,
                             router_chunk=a.router_chunk)
+        # a work dir left by a cut-off run: this run resumes it, so its time is only what was left
+        work = (a.parse_work / f"parse-{layers}") if a.parse_work else tmp / f".parse-{layers}.parse-work"
+        resumed = work.is_dir()
+        shutil.rmtree(tmp / f"parse-{layers}", ignore_errors=True)
         with Meter(a.device) as m:
             out = build_parse_checkpoint(dense, tmp / f"parse-{layers}", keep=a.keep, calib_text=a.calib,
                                          train_text=a.calib, steps=a.parse_steps, kd_steps=a.parse_kd_steps,
                                          train=train, calib_tokens=a.calib_tokens, progress=False, device=a.device,
-                                         svd_route=route)
+                                         svd_route=route, work_dir=work)
         res["parse"] = m.row(svd_route=route, windows=a.parse_windows, steps=a.parse_steps, kd_steps=a.parse_kd_steps,
-                             router_chunk=a.router_chunk,
+                             router_chunk=a.router_chunk, resumed=resumed,
                              out_bytes=(out / "model.safetensors").stat().st_size,
                              finite_logits=_finite_logits(out, a.device))
         print(f"[{layers} layers] parse {res['parse']}", flush=True)
@@ -151,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--router-chunk", type=int, default=0, help="matrices the parse stage's router training holds "
                     "at a time (0 = all)")
     ap.add_argument("--tmp", type=Path, default=None, help="where the checkpoints go (default: a temp dir)")
+    ap.add_argument("--work", type=Path, default=None, help="keep the checkpoints and work dirs here, not in a temp "
+                    "dir: a rerun reuses the dense source and resumes a parse stage that was cut off")
+    ap.add_argument("--parse-work", type=Path, default=None, help="where the parse stage keeps its resumable "
+                    "intermediates (pool, router data, train states), e.g. another disk (default: beside its output)")
     a = ap.parse_args(argv)
     if not usable(a.device, "offline_scale"):
         return 2
@@ -160,7 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = dict(device=torch.cuda.get_device_name() if a.device.startswith("cuda") else "CPU",
                                torch=torch.__version__, preset=a.preset, keep=a.keep, calib=a.calib.name,
                                calib_tokens=a.calib_tokens, runs=[])
-    with tempfile.TemporaryDirectory(dir=a.tmp) as tmp:
+    if a.work is not None:
+        a.work.mkdir(parents=True, exist_ok=True)
+    where = contextlib.nullcontext(str(a.work)) if a.work is not None else tempfile.TemporaryDirectory(dir=a.tmp)
+    with where as tmp:
         for layers in a.layers:
             res["runs"].append(dict(layers=layers))
             try:

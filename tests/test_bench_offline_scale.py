@@ -7,6 +7,8 @@ Run alone: .venv/bin/python -m pytest tests/test_bench_offline_scale.py -q
 import json
 from pathlib import Path
 
+import pytest
+
 from rankserve.bench.offline_scale import main
 from rankserve.workers.config import preset
 
@@ -46,3 +48,31 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
                  "compress", "--out", str(tmp_path / "o.json")]) == 2  # refused by compress: one clean line
     assert "offline_scale: max_tokens=10 is below" in capsys.readouterr().err
     assert not (tmp_path / "o.json").exists()
+
+
+def test_a_kept_work_dir_reuses_the_source_and_resumes_a_cut_parse_stage(tmp_path, monkeypatch):
+    import rankserve.compress.parse as parse
+
+    work, pw, out = tmp_path / "work", tmp_path / "elsewhere", tmp_path / "scale.json"
+    args = ["--device", "cpu", "--preset", "tiny", "--layers", "1", "--calib", str(TEXT), "--calib-tokens", "1024",
+            "--stages", "parse", "--parse-windows", "24", "--parse-steps", "2", "--parse-kd-steps", "0",
+            "--svd-route", "eigh", "--work", str(work), "--out", str(out)]
+    moved = args + ["--parse-work", str(pw)]  # the parse stage's intermediates on another disk
+    real = parse.train_routers
+
+    def cut(*a, **kw):  # the run dies after its pool and router data are on disk
+        raise RuntimeError("cut off")
+
+    monkeypatch.setattr(parse, "train_routers", cut)
+    with pytest.raises(RuntimeError, match="cut off"):
+        main(moved)
+    source = (work / "dense-1" / "model.safetensors").stat().st_mtime_ns
+    assert (pw / "parse-1" / "pool").is_dir()  # what the cut run finished is kept
+    assert not (work / ".parse-1.parse-work").exists()
+    monkeypatch.setattr(parse, "train_routers", real)
+    assert main(moved) == 0
+    row = json.loads(out.read_text())["runs"][0]["parse"]
+    assert row["resumed"] and row["finite_logits"]
+    assert (work / "dense-1" / "model.safetensors").stat().st_mtime_ns == source  # reused, not rebuilt
+    assert not (pw / "parse-1").exists()  # a finished parse stage cleans its work dir
+    assert main(args) == 0 and not json.loads(out.read_text())["runs"][0]["parse"]["resumed"]
