@@ -75,11 +75,12 @@ class Meter:
                     host_peak_gb=self.host_peak_gb, **extra)
 
 
-def random_dense(out: Path, preset_name: str, layers: int, seed: int = 0) -> Path:
-    """A random dense checkpoint of `preset_name`'s width with `layers` decoder layers, bf16, built on the CPU."""
+def random_dense(out: Path, preset_name: str, layers: int, seed: int = 0, device: str = "cpu") -> Path:
+    """A random dense checkpoint of `preset_name`'s width with `layers` decoder layers, bf16, drawn on `device`
+    (a 7B draw takes minutes on the CPU, seconds on a GPU)."""
     vocab = max(PRESETS[preset_name]["vocab_size"], read_config(TOKENIZER)[0].vocab_size)  # the tokenizer's ids fit
     cfg = preset(preset_name, num_hidden_layers=layers, max_position_embeddings=4096, vocab_size=vocab)
-    model = build_model(cfg, {}, {}, "cpu", torch.bfloat16, seed=seed)
+    model = build_model(cfg, {}, {}, device, torch.bfloat16, seed=seed)
     return save_checkpoint(out, model, Manifest(family="dense", ranks={}, source=f"random-{preset_name}-{layers}"),
                            tokenizer_dir=TOKENIZER)
 
@@ -101,7 +102,7 @@ def run_layers(res: dict[str, Any], stages: list[str], a: argparse.Namespace, tm
     route = resolve_route(a.svd_route, a.device)  # the route `auto` takes here, recorded in each row
     dense = tmp / f"dense-{layers}"
     if not (dense / "model.safetensors").is_file():  # a kept work dir's source is reused (its saves are atomic)
-        random_dense(dense, a.preset, layers)
+        random_dense(dense, a.preset, layers, device=a.device)
     res["dense_bytes"] = (dense / "model.safetensors").stat().st_size
     tok = Tokenizer.load(dense)
     if "calibrate" in stages:

@@ -520,7 +520,7 @@ def _train_chunk(data: RouterData, k: dict[str, int], steps: int, cfg: TrainConf
     projs = list(k)
     done = _load_done(state_path, steps, projs, dev) if state_path is not None else None
     if done is not None:  # finished by an earlier run: its result, without the warm start or a step again
-        return done
+        return done[0], done[1]["static"], done[1]["warm"]
 
     def heldout(n: str, R: torch.Tensor, b: torch.Tensor) -> float:
         return data.loss(n, val, _hard(xn[router_input(n)][val] @ R.T + b, k[n])).mean().item()
@@ -575,8 +575,33 @@ def _train_chunk(data: RouterData, k: dict[str, int], steps: int, cfg: TrainConf
             _save_state(state_path, params, opt, best, step + 1)
     bar.close()
     if state_path is not None:  # finished: only the result is kept (a quarter of the state's bytes)
-        _save_done(state_path, best, steps, static_loss, warm_loss)
+        _save_done(state_path, best, steps, static=static_loss, warm=warm_loss)
     return best, static_loss, warm_loss
+
+
+def kd_stage_bytes(cfg, r_max: dict[str, int], groups: dict[str, list[str]]) -> int:
+    """A lower bound on the bytes the end-to-end (KD) stage holds at once on its device: the r_max pool and the
+    dense model in fp32, and every router parameter with its gradient and two AdamW moments (fp32)."""
+    ranks = {n: r_max.get(n) for n in Transformer(cfg, {}, device="meta").projections()}
+    pool = sum(p.numel() for p in Transformer(cfg, ranks, groups, device="meta").parameters())
+    dense = sum(p.numel() for p in Transformer(cfg, {}, device="meta").parameters())
+    shapes = cfg.linear_shapes()
+    routers = sum(r * (shapes[n.rsplit(".", 1)[1]][1] + 1) for n, r in r_max.items())  # R (r, in) and b (r,)
+    return 4 * (pool + dense) + 16 * routers
+
+
+def check_kd_fits(cfg, r_max: dict[str, int], groups: dict[str, list[str]], device: str) -> None:
+    """Raise a one-line ValueError when the KD stage's lower bound (`kd_stage_bytes`) exceeds the whole memory of
+    the CUDA `device`: it would run out of memory after the pool and the router stage, so say so before them."""
+    if not str(device).startswith("cuda") or not torch.cuda.is_available():
+        return
+    need, total = kd_stage_bytes(cfg, r_max, groups), torch.cuda.get_device_properties(device).total_memory
+    if need > total:
+        routers = sum(r * (cfg.linear_shapes()[n.rsplit(".", 1)[1]][1] + 1) for n, r in r_max.items())
+        raise ValueError(f"the end-to-end (KD) stage holds at least {need / 1e9:.1f} GB on {device} (the pool and "
+                         f"the dense model in fp32, {routers / 1e9:.2f} G router parameters with their gradients "
+                         f"and AdamW moments), more than its {total / 1e9:.1f} GB: pass --kd-steps 0 to keep the "
+                         "layer-local routers, or use a device with more memory")
 
 
 def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k: dict[str, int],
@@ -603,9 +628,9 @@ def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k:
     xn = {n: (v - mu[n]) / sd[n] for n, v in data.x.items()}
     params = torch.nn.ParameterDict()
     for n in projs:  # back to the standardized-input form: s = R x̄ + b = (R σ) x̂ + (b + R μ)
-        src = router_input(n)
-        params[_key(n) + "_R"] = torch.nn.Parameter(R[n] * sd[src])
-        params[_key(n) + "_b"] = torch.nn.Parameter(b[n] + R[n] @ mu[src])
+        src, Rn = router_input(n), R[n].to(dev)  # (R, b) may wait on the CPU: the device holds this stage's copy
+        params[_key(n) + "_R"] = torch.nn.Parameter(Rn * sd[src])
+        params[_key(n) + "_b"] = torch.nn.Parameter(b[n].to(dev) + Rn @ mu[src])
     model.requires_grad_(False)
     dense.requires_grad_(False)
 
@@ -637,38 +662,50 @@ def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k:
     opt = torch.optim.AdamW([{"params": [p for nm, p in params.items() if nm.endswith("_R")],
                               "weight_decay": cfg.weight_decay},
                              {"params": [p for nm, p in params.items() if nm.endswith("_b")], "weight_decay": 0.0}],
-                            lr=cfg.kd_lr)
+                            lr=cfg.kd_lr, foreach=False)  # foreach would hold a temporary the size of every router
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg.warmup, 1)))
+    # the best iterate waits on the CPU: on a GPU it would be another copy of every router
     best: dict[str, tuple[torch.Tensor, torch.Tensor, float, str]] = {}
+
+    def keep(n: str, h: float, at: str) -> tuple[torch.Tensor, torch.Tensor, float, str]:
+        return (params[_key(n) + "_R"].detach().to("cpu", copy=True),
+                params[_key(n) + "_b"].detach().to("cpu", copy=True), h, at)
+
+    done = _load_done(Path(state_path), steps, projs, "cpu") if state_path is not None else None
     try:
-        start = 0
-        if state_path is not None and Path(state_path).is_file():
-            start = _load_state(Path(state_path), params, opt, sched, best)
+        if done is not None:  # finished by an earlier run: its result, without a step again
+            best, start_kl = done[0], done[1]["kd_start"]
         else:
-            h0 = heldout()
-            best = {n: (params[_key(n) + "_R"].detach().clone(), params[_key(n) + "_b"].detach().clone(), h0,
-                        "start") for n in projs}
-        start_kl = next(iter(best.values()))[2] if start == 0 else None
-        bar = tqdm(range(start, steps), desc="distill routers (STE, KD)", unit="step", disable=not progress,
-                   initial=start, total=steps)
-        for step in bar:
-            g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 7 + step)
-            idx = train_idx[torch.randint(len(train_idx), (min(cfg.kd_batch, len(train_idx)),), generator=g).to(dev)]
-            masks(idx, hard=False)
-            loss = kd(idx)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            bar.set_postfix(kl=f"{loss.item():.4f}")
-            if (step + 1) % cfg.eval_every == 0 or step + 1 == steps:
-                h = heldout()
-                if h < next(iter(best.values()))[2]:
-                    best = {n: (params[_key(n) + "_R"].detach().clone(), params[_key(n) + "_b"].detach().clone(), h,
-                                f"step {step + 1}") for n in projs}
-            if state_path is not None and ((step + 1) % cfg.save_every == 0 or step + 1 == steps):
-                _save_state(Path(state_path), params, opt, best, step + 1)
-        bar.close()
+            start = 0
+            if state_path is not None and Path(state_path).is_file():
+                start = _load_state(Path(state_path), params, opt, sched, best)
+                best = {n: (R.cpu(), b.cpu(), h, at) for n, (R, b, h, at) in best.items()}
+            else:
+                h0 = heldout()
+                best = {n: keep(n, h0, "start") for n in projs}
+            start_kl = next(iter(best.values()))[2] if start == 0 else None
+            bar = tqdm(range(start, steps), desc="distill routers (STE, KD)", unit="step", disable=not progress,
+                       initial=start, total=steps)
+            for step in bar:
+                g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 7 + step)
+                pick = torch.randint(len(train_idx), (min(cfg.kd_batch, len(train_idx)),), generator=g)
+                idx = train_idx[pick.to(dev)]
+                masks(idx, hard=False)
+                loss = kd(idx)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                sched.step()
+                bar.set_postfix(kl=f"{loss.item():.4f}")
+                if (step + 1) % cfg.eval_every == 0 or step + 1 == steps:
+                    h = heldout()
+                    if h < next(iter(best.values()))[2]:
+                        best = {n: keep(n, h, f"step {step + 1}") for n in projs}
+                if state_path is not None and (step + 1) % cfg.save_every == 0 and step + 1 < steps:
+                    _save_state(Path(state_path), params, opt, best, step + 1)
+            bar.close()
+            if state_path is not None:  # finished: only the result is kept (a quarter of the state's bytes)
+                _save_done(Path(state_path), best, steps, kd_start=start_kl)
     finally:
         for n in projs:
             lins[n].mask = None
@@ -676,8 +713,8 @@ def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k:
     with torch.no_grad():
         for n in projs:
             src = router_input(n)
-            Rn = best[n][0] / sd[src]
-            R_out[n], b_out[n] = Rn.clone(), best[n][1] - Rn @ mu[src]
+            Rn = best[n][0].to(dev) / sd[src]
+            R_out[n], b_out[n] = Rn, best[n][1].to(dev) - Rn @ mu[src]
     final = next(iter(best.values()))
     report = {"kd_steps": steps, "kd_heldout_windows": len(val_idx), "kd_heldout_kl_start": start_kl,
               "kd_heldout_kl": round(final[2], 6), "kd_kept": final[3]}
@@ -800,8 +837,11 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
         pool_cfg, pool_man = check_checkpoint(pool_from)
         _check_pool(dense_dir, Path(pool_from), dense_cfg, pool_cfg, pool_man)
         k, r_max = native_experts(pool_cfg, pool_man.ranks, pool_man.groups, keep)
-    else:
-        plan_experts(dense_cfg, base, keep, pool_factor, group_size)  # e.g. a keep that leaves nothing to route
+    else:  # e.g. a keep that leaves nothing to route
+        _, r_max, groups = plan_experts(dense_cfg, base, keep, pool_factor, group_size)
+    if kd_steps:  # a stage that cannot fit fails now, not after the pool build and the router training
+        check_kd_fits(pool_cfg if pool_from is not None else dense_cfg, r_max,
+                      pool_man.groups if pool_from is not None else groups, device)
     work = Path(work_dir) if work_dir is not None else out_dir.parent / f".{out_dir.name}.parse-work"
     check_work_dir(work)
     tok = Tokenizer.load(dense_dir)
@@ -863,7 +903,8 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
     data = data.to(device)
 
     R, b, report = train_routers(data, k, steps, train, work / "train_state.safetensors", progress)
-    if kd_steps:
+    if kd_steps:  # the layer-local routers wait on the CPU while the KD stage holds its own copy
+        R, b = {n: t.cpu() for n, t in R.items()}, {n: t.cpu() for n, t in b.items()}
         dense_model, _ = load_checkpoint(dense_dir, device, torch.float32)
         R, b, kd_report = distill_routers(model, dense_model, data, k, R, b, kd_steps, train,
                                           work / "kd_state.safetensors", progress)
@@ -999,22 +1040,23 @@ def _save_state(path: Path, params, opt, best, step: int) -> None:
     tmp.replace(path)
 
 
-def _save_done(path: Path, best, steps: int, static: dict[str, float], warm: dict[str, float]) -> None:
-    """A finished layer-local run's result: the best routers and the losses its report needs, no optimizer."""
+def _save_done(path: Path, best, steps: int, **report) -> None:
+    """A finished stage's result: the best routers and what its report needs (`report`, JSON values), no
+    optimizer state."""
     t = {}
     for n, (R, b, _, _) in best.items():
         t[f"best.{n}.R"], t[f"best.{n}.b"] = R, b
-    meta = {"done": str(steps), "best": json.dumps({n: [v[2], v[3]] for n, v in best.items()}),
-            "static": json.dumps(static), "warm": json.dumps(warm)}
+    meta = {"done": str(steps), "best": json.dumps({n: [v[2], v[3]] for n, v in best.items()})}
+    meta |= {key: json.dumps(v) for key, v in report.items()}
     tmp = path.with_suffix(".tmp")
     save_file({k: v.contiguous() for k, v in t.items()}, str(tmp), metadata=meta)
     tmp.replace(path)
 
 
-def _load_done(path: Path, steps: int, projs: list[str], dev) -> tuple[dict, dict[str, float], dict[str, float]] | None:
-    """The result `_save_done` wrote for the same `steps` and matrices; None when `path` is absent, a state of an
-    unfinished run (`_load_state` reads it), or finished at another step count or for other matrices (the run is
-    then done again from its start: the same batches give the same result)."""
+def _load_done(path: Path, steps: int, projs: list[str], dev) -> tuple[dict, dict] | None:
+    """(best, report) as `_save_done` wrote them for the same `steps` and matrices; None when `path` is absent, a
+    state of an unfinished run (`_load_state` reads it), or finished at another step count or for other matrices
+    (the run is then done again from its start: the same batches give the same result)."""
     if not path.is_file():
         return None
     with safe_open(str(path), framework="pt") as f:
@@ -1023,7 +1065,7 @@ def _load_done(path: Path, steps: int, projs: list[str], dev) -> tuple[dict, dic
             return None
         best = {n: (f.get_tensor(f"best.{n}.R").to(dev), f.get_tensor(f"best.{n}.b").to(dev), loss, origin)
                 for n, (loss, origin) in json.loads(meta["best"]).items()}
-    return best, json.loads(meta["static"]), json.loads(meta["warm"])
+    return best, {key: json.loads(v) for key, v in meta.items() if key not in ("done", "best")}
 
 
 def _load_state(path: Path, params, opt, sched, best) -> int:

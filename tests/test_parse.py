@@ -276,6 +276,74 @@ def test_kd_loss_scores_the_positions_and_target_it_names():
     assert got["window", "kl"] != pytest.approx(got["continuation", "kl"], rel=1e-3)
 
 
+def _kd_setup(cfg: TrainConfig):
+    """A stories260K pool, its dense model, router data and layer-local routers (0 steps: the warm start)."""
+    from rankserve.compress.parse import build_pool, collect, sample_windows
+
+    model, k, r_max = build_pool(STORIES, "svd-llm", 0.6, CALIB, calib_tokens=2048, calib_seq_len=128,
+                                 progress=False)
+    dense, _ = load_checkpoint(STORIES, "cpu", torch.float32)
+    wins = sample_windows(CALIB, Tokenizer.load(STORIES), cfg.windows, cfg.window)
+    data = collect(model, {n: l.dense_weight().detach() for n, l in dense.projections().items()}, wins,
+                   cfg.prompt_len, batch_size=8, progress=False)
+    R, b, _ = train_routers(data, k, 0, cfg, progress=False)
+    return model, dense, data, k, r_max, R, b
+
+
+def test_kd_stage_resumes_and_keeps_only_its_result(tmp_path, monkeypatch):
+    """The end-to-end stage killed after a state write resumes to the uninterrupted result; a finished stage keeps
+    its best routers only (no AdamW moments), and a rerun reads them without a step."""
+    from safetensors import safe_open
+
+    from rankserve.compress.parse import distill_routers
+
+    # scored on training windows (holdout 0), so that the steps show: held out, this model keeps its start
+    cfg = TrainConfig(windows=24, window=32, prompt_len=16, collect_batch=8, kd_eval=8, holdout=0.0, kd_batch=4,
+                      eval_every=1, save_every=2, warmup=1, kd_lr=1e-3)
+    model, dense, data, k, _, R, b = _kd_setup(cfg)
+    R1, b1, rep1 = distill_routers(model, dense, data, k, R, b, 4, cfg, tmp_path / "a.safetensors", progress=False)
+    assert rep1["kd_kept"] != "start"  # the steps moved the routers (else the resume below would prove little)
+    with safe_open(str(tmp_path / "a.safetensors"), "pt") as f:
+        assert f.metadata()["done"] == "4" and not any(key.startswith(("opt.", "param.")) for key in f.keys())
+    with monkeypatch.context() as m:
+        m.setattr(torch.optim.AdamW, "step", lambda *a, **kw: pytest.fail("stepped again"))
+        R2, b2, rep2 = distill_routers(model, dense, data, k, R, b, 4, cfg, tmp_path / "a.safetensors",
+                                       progress=False)
+    # b to rounding: b = b̂ − R μ, and the kept R comes back contiguous where the run's own was a transposed view
+    assert rep2 == rep1 and all(torch.equal(R1[n], R2[n]) and torch.allclose(b1[n], b2[n], atol=1e-6) for n in k)
+    with monkeypatch.context() as m:
+        _interrupt_after_first_save(m)
+        with pytest.raises(KeyboardInterrupt):  # killed right after its step-2 state write ...
+            distill_routers(model, dense, data, k, R, b, 4, cfg, tmp_path / "b.safetensors", progress=False)
+    R3, b3, rep3 = distill_routers(model, dense, data, k, R, b, 4, cfg, tmp_path / "b.safetensors", progress=False)
+    assert rep3["kd_heldout_kl"] == pytest.approx(rep1["kd_heldout_kl"], rel=1e-5)  # ... resumed
+    assert all(torch.allclose(R1[n], R3[n], atol=1e-5) and torch.allclose(b1[n], b3[n], atol=1e-5) for n in k)
+
+
+def test_a_kd_stage_that_cannot_fit_its_device_is_refused_before_any_work(tmp_path, monkeypatch):
+    """kd_stage_bytes counts the pool and dense model (fp32) and every router parameter four times (value, gradient,
+    two AdamW moments); build_parse_checkpoint refuses a CUDA device with less memory than that before it writes
+    anything (the device's size is mocked: this machine has no GPU)."""
+    from types import SimpleNamespace
+
+    from rankserve.compress.parse import check_kd_fits, kd_stage_bytes
+
+    cfg = TrainConfig(windows=24, window=32, prompt_len=16, collect_batch=8)
+    model, dense, _, k, r_max, R, b = _kd_setup(cfg)
+    routers = sum(R[n].numel() + b[n].numel() for n in k)
+    held = 4 * sum(p.numel() for m in (model, dense) for p in m.parameters()) + 16 * routers
+    assert kd_stage_bytes(model.cfg, r_max, model.groups) == held
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=held))
+    check_kd_fits(model.cfg, r_max, model.groups, "cuda")  # exactly enough: passes
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=held - 1))
+    check_kd_fits(model.cfg, r_max, model.groups, "cpu")  # not a CUDA device: nothing to check
+    with pytest.raises(ValueError, match=r"end-to-end \(KD\) stage holds at least .* pass --kd-steps 0"):
+        build_parse_checkpoint(STORIES, tmp_path / "out", keep=0.6, calib_text=CALIB, train_text=CALIB, steps=1,
+                               kd_steps=1, train=cfg, calib_tokens=2048, progress=False, device="cuda")
+    assert not any(tmp_path.iterdir())  # refused before the work dir: nothing written
+
+
 def test_router_data_moves_whole():
     """RouterData.to (training runs on the data's device, `train-parse --device`) moves every tensor it holds."""
     g = torch.Generator().manual_seed(3)
