@@ -425,7 +425,9 @@ def train_parse_cmd(
     train_text: list[Path] = typer.Option(..., "--train-text", help="router-training text, .txt or .jsonl (repeat "
                                           "for several files, sharing the windows evenly); not the evaluation text"),
     steps: int = typer.Option(100, "--steps", help="layer-local STE steps after the closed-form warm start"),
-    kd_steps: int = typer.Option(300, "--kd-steps", help="end-to-end STE steps against the dense logits (0 = none)"),
+    kd_steps: int = typer.Option(300, "--kd-steps", help="end-to-end STE steps against the dense logits (0 = "
+                                 "none); the stage holds the pool, the dense model and every router with its AdamW "
+                                 "state on the device at once (115 GB at 7B: refused on a smaller GPU)"),
     calib_tokens: int = typer.Option(131072, "--calib-tokens", help="calibration tokens to read at most (pass "
                                      "`compress`'s value to make mask = first K equal that static checkpoint)"),
     calib_seq_len: Optional[int] = typer.Option(None, "--calib-seq-len", help="calibration window (default "
