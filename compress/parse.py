@@ -559,11 +559,7 @@ def _train_chunk(data: RouterData, k: dict[str, int], steps: int, cfg: TrainConf
         loss = torch.stack([
             data.loss(n, idx, ste_topk(xn[router_input(n)][idx] @ params[_key(n) + "_R"].T + params[_key(n) + "_b"],
                                        k[n], cfg.temperature)).mean() for n in projs]).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        bar.set_postfix(loss=f"{loss.item():.4f}")
+        bar.set_postfix(loss=f"{_descend(opt, sched, loss):.4f}")
         if (step + 1) % cfg.eval_every == 0 or step + 1 == steps:
             with torch.no_grad():
                 for n in projs:
@@ -692,11 +688,7 @@ def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k:
                 idx = train_idx[pick.to(dev)]
                 masks(idx, hard=False)
                 loss = kd(idx)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                sched.step()
-                bar.set_postfix(kl=f"{loss.item():.4f}")
+                bar.set_postfix(kl=f"{_descend(opt, sched, loss):.4f}")
                 if (step + 1) % cfg.eval_every == 0 or step + 1 == steps:
                     h = heldout()
                     if h < next(iter(best.values()))[2]:
@@ -1024,6 +1016,15 @@ def _ridge(x: torch.Tensor, a: torch.Tensor, Y: torch.Tensor, idx: torch.Tensor,
         if s < best:
             out, best = (R, b), s
     return out
+
+
+def _descend(opt: torch.optim.Optimizer, sched, loss: torch.Tensor) -> float:
+    """One optimizer and schedule step on `loss`; returns its value."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    sched.step()
+    return loss.item()
 
 
 def _save_state(path: Path, params, opt, best, step: int) -> None:
