@@ -581,9 +581,13 @@ def kd_stage_bytes(cfg, r_max: dict[str, int], groups: dict[str, list[str]]) -> 
     ranks = {n: r_max.get(n) for n in Transformer(cfg, {}, device="meta").projections()}
     pool = sum(p.numel() for p in Transformer(cfg, ranks, groups, device="meta").parameters())
     dense = sum(p.numel() for p in Transformer(cfg, {}, device="meta").parameters())
+    return 4 * (pool + dense) + 16 * _router_params(cfg, r_max)
+
+
+def _router_params(cfg, r_max: dict[str, int]) -> int:
+    """Parameters of every router: R (r_max, in) and b (r_max,) a matrix."""
     shapes = cfg.linear_shapes()
-    routers = sum(r * (shapes[n.rsplit(".", 1)[1]][1] + 1) for n, r in r_max.items())  # R (r, in) and b (r,)
-    return 4 * (pool + dense) + 16 * routers
+    return sum(r * (shapes[n.rsplit(".", 1)[1]][1] + 1) for n, r in r_max.items())
 
 
 def check_kd_fits(cfg, r_max: dict[str, int], groups: dict[str, list[str]], device: str) -> None:
@@ -593,9 +597,8 @@ def check_kd_fits(cfg, r_max: dict[str, int], groups: dict[str, list[str]], devi
         return
     need, total = kd_stage_bytes(cfg, r_max, groups), torch.cuda.get_device_properties(device).total_memory
     if need > total:
-        routers = sum(r * (cfg.linear_shapes()[n.rsplit(".", 1)[1]][1] + 1) for n, r in r_max.items())
         raise ValueError(f"the end-to-end (KD) stage holds at least {need / 1e9:.1f} GB on {device} (the pool and "
-                         f"the dense model in fp32, {routers / 1e9:.2f} G router parameters with their gradients "
+                         f"the dense model in fp32, {_router_params(cfg, r_max) / 1e9:.2f} G router parameters with their gradients "
                          f"and AdamW moments), more than its {total / 1e9:.1f} GB: pass --kd-steps 0 to keep the "
                          "layer-local routers, or use a device with more memory")
 
@@ -608,8 +611,9 @@ def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k:
     next-token distributions over every token of a window (the logit-KD term; the routers see the windows'
     pooled prompt inputs from `data`, as at serving time). Starts from (R, b) (raw-input form, as
     `train_routers` returns them); keeps the iterate with the lowest KL on `cfg.kd_eval` held-out windows,
-    the start included. Resumable through `state_path` like `train_routers`. Returns (R, b, report). The models,
-    the data and (R, b) must be on one device; it runs there.
+    the start included. Resumable through `state_path` like `train_routers`; a finished stage keeps only its best
+    routers there and is read back without building the stage. Returns (R, b, report) on the data's device. The
+    models and the data must be on one device, where it runs; (R, b) may wait on the CPU.
     """
     cfg = cfg or TrainConfig()
     P, dev = data.n, data.windows.device
@@ -621,6 +625,22 @@ def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k:
     mu = {n: v[train_idx].mean(0) for n, v in data.x.items()}
     sd = {n: v[train_idx].std(0).clamp_min(1e-6) if len(train_idx) > 1 else torch.ones_like(v[0])
           for n, v in data.x.items()}
+
+    def result(best: dict, start_kl: float | None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+        R_out, b_out = {}, {}  # back to the raw-input form
+        with torch.no_grad():
+            for n in projs:
+                src = router_input(n)
+                Rn = best[n][0].to(dev) / sd[src]
+                R_out[n], b_out[n] = Rn, best[n][1].to(dev) - Rn @ mu[src]
+        final = next(iter(best.values()))
+        return R_out, b_out, {"kd_steps": steps, "kd_heldout_windows": len(val_idx),
+                              "kd_heldout_kl_start": start_kl, "kd_heldout_kl": round(final[2], 6),
+                              "kd_kept": final[3]}
+
+    done = _load_done(Path(state_path), steps, projs, "cpu") if state_path is not None else None
+    if done is not None:  # finished by an earlier run: its result, without building the stage again
+        return result(done[0], done[1]["kd_start"])
     xn = {n: (v - mu[n]) / sd[n] for n, v in data.x.items()}
     params = torch.nn.ParameterDict()
     for n in projs:  # back to the standardized-input form: s = R x̄ + b = (R σ) x̂ + (b + R μ)
@@ -667,50 +687,37 @@ def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k:
         return (params[_key(n) + "_R"].detach().to("cpu", copy=True),
                 params[_key(n) + "_b"].detach().to("cpu", copy=True), h, at)
 
-    done = _load_done(Path(state_path), steps, projs, "cpu") if state_path is not None else None
     try:
-        if done is not None:  # finished by an earlier run: its result, without a step again
-            best, start_kl = done[0], done[1]["kd_start"]
+        start = 0
+        if state_path is not None and Path(state_path).is_file():
+            start = _load_state(Path(state_path), params, opt, sched, best)
+            best = {n: (R.cpu(), b.cpu(), h, at) for n, (R, b, h, at) in best.items()}
         else:
-            start = 0
-            if state_path is not None and Path(state_path).is_file():
-                start = _load_state(Path(state_path), params, opt, sched, best)
-                best = {n: (R.cpu(), b.cpu(), h, at) for n, (R, b, h, at) in best.items()}
-            else:
-                h0 = heldout()
-                best = {n: keep(n, h0, "start") for n in projs}
-            start_kl = next(iter(best.values()))[2] if start == 0 else None
-            bar = tqdm(range(start, steps), desc="distill routers (STE, KD)", unit="step", disable=not progress,
-                       initial=start, total=steps)
-            for step in bar:
-                g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 7 + step)
-                pick = torch.randint(len(train_idx), (min(cfg.kd_batch, len(train_idx)),), generator=g)
-                idx = train_idx[pick.to(dev)]
-                masks(idx, hard=False)
-                loss = kd(idx)
-                bar.set_postfix(kl=f"{_descend(opt, sched, loss):.4f}")
-                if (step + 1) % cfg.eval_every == 0 or step + 1 == steps:
-                    h = heldout()
-                    if h < next(iter(best.values()))[2]:
-                        best = {n: keep(n, h, f"step {step + 1}") for n in projs}
-                if state_path is not None and (step + 1) % cfg.save_every == 0 and step + 1 < steps:
-                    _save_state(Path(state_path), params, opt, best, step + 1)
-            bar.close()
-            if state_path is not None:  # finished: only the result is kept (a quarter of the state's bytes)
-                _save_done(Path(state_path), best, steps, kd_start=start_kl)
+            h0 = heldout()
+            best = {n: keep(n, h0, "start") for n in projs}
+        start_kl = next(iter(best.values()))[2] if start == 0 else None
+        bar = tqdm(range(start, steps), desc="distill routers (STE, KD)", unit="step", disable=not progress,
+                   initial=start, total=steps)
+        for step in bar:
+            g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 7 + step)
+            pick = torch.randint(len(train_idx), (min(cfg.kd_batch, len(train_idx)),), generator=g)
+            idx = train_idx[pick.to(dev)]
+            masks(idx, hard=False)
+            loss = kd(idx)
+            bar.set_postfix(kl=f"{_descend(opt, sched, loss):.4f}")
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == steps:
+                h = heldout()
+                if h < next(iter(best.values()))[2]:
+                    best = {n: keep(n, h, f"step {step + 1}") for n in projs}
+            if state_path is not None and (step + 1) % cfg.save_every == 0 and step + 1 < steps:
+                _save_state(Path(state_path), params, opt, best, step + 1)
+        bar.close()
+        if state_path is not None:  # finished: only the result is kept (a quarter of the state's bytes)
+            _save_done(Path(state_path), best, steps, kd_start=start_kl)
     finally:
         for n in projs:
             lins[n].mask = None
-    R_out, b_out = {}, {}
-    with torch.no_grad():
-        for n in projs:
-            src = router_input(n)
-            Rn = best[n][0].to(dev) / sd[src]
-            R_out[n], b_out[n] = Rn, best[n][1].to(dev) - Rn @ mu[src]
-    final = next(iter(best.values()))
-    report = {"kd_steps": steps, "kd_heldout_windows": len(val_idx), "kd_heldout_kl_start": start_kl,
-              "kd_heldout_kl": round(final[2], 6), "kd_kept": final[3]}
-    return R_out, b_out, report
+    return result(best, start_kl)
 
 
 def select_frequency(data: RouterData, k: dict[str, int], R: dict[str, torch.Tensor],
