@@ -599,8 +599,8 @@ def check_kd_fits(cfg, r_max: dict[str, int], groups: dict[str, list[str]], devi
     if need > total:
         raise ValueError(f"the end-to-end (KD) stage holds at least {need / 1e9:.1f} GB on {device} (the pool and "
                          f"the dense model in fp32, {_router_params(cfg, r_max) / 1e9:.2f} G router parameters with "
-                         f"their gradients and AdamW moments), more than its {total / 1e9:.1f} GB: pass --kd-steps 0 to keep the "
-                         "layer-local routers, or use a device with more memory")
+                         f"their gradients and AdamW moments), more than its {total / 1e9:.1f} GB: pass --kd-steps 0 "
+                         "to keep the layer-local routers, or use a device with more memory")
 
 
 def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k: dict[str, int],
