@@ -95,24 +95,28 @@ def calibration_batches(model: Transformer, tokenizer: Tokenizer, text_path: str
 
 @torch.inference_mode()
 def layer_grams(model: Transformer, batches: list[torch.Tensor], device: str | torch.device | None = None,
-                progress: bool = True, desc: str = "calibrate") -> Iterator[dict[str, torch.Tensor]]:
+                progress: bool = True, desc: str = "calibrate",
+                dtype: torch.dtype | None = None,  # what each layer and the hidden states run in; None = the model's
+                ) -> Iterator[dict[str, torch.Tensor]]:
     """Layer by layer, {projection name: XᵀX (in, in) fp64 on the CPU} of that layer's seven projections (the
     members of one input share one tensor), from running every batch through the layers in turn.
 
     The windows' hidden states (tokens x hidden) stay on `device` between layers (in the model's memory instead,
     a batch at a time visiting the device, when they would take more than a quarter of a GPU's free memory); each
     decoder layer is moved there for its pass and back after it, so the device never holds more than one layer's
-    weights and Grams.
+    weights and Grams. With `dtype` (say fp32 for a bf16 model) each layer is cast for its pass and cast back after
+    it: the passes are those of a model cast whole, while the host keeps the model in its own dtype.
     Every window starts at position 0 with no padding: the same attention as the model's own forward.
     """
-    home = model.embed.weight.device
+    home, stored = model.embed.weight.device, model.embed.weight.dtype
     dev = torch.device(device) if device is not None else home
+    run = dtype or stored
     keep_on = dev  # where the hidden states wait between layers
     if dev.type == "cuda" and dev != home:
-        need = sum(b.numel() for b in batches) * model.cfg.hidden_size * model.embed.weight.element_size()
+        need = sum(b.numel() for b in batches) * model.cfg.hidden_size * run.itemsize
         if need > torch.cuda.mem_get_info(dev)[0] // 4:  # many calibration tokens: they wait in host memory
             keep_on = home
-    hidden = [model.embed(b.to(home)).to(keep_on) for b in batches]  # [(B, S, hidden)] in the model's dtype
+    hidden = [model.embed(b.to(home)).to(keep_on, run) for b in batches]  # [(B, S, hidden)] in `run`
     ropes = {}
     for b in batches:  # (S, D) tables per distinct window length
         S = b.shape[1]
@@ -121,9 +125,9 @@ def layer_grams(model: Transformer, batches: list[torch.Tensor], device: str | t
     bar = tqdm(total=len(model.layers), unit="layer", desc=desc, disable=not progress)
     try:
         for i, blk in enumerate(model.layers):
-            moved = dev != home
+            moved = dev != home or run != stored
             if moved:
-                blk.to(dev)
+                blk.to(dev, run)
             grams: dict[str, torch.Tensor] = {}
             handles = []
             for p in ("q", "o", "gate", "down"):
@@ -143,7 +147,7 @@ def layer_grams(model: Transformer, batches: list[torch.Tensor], device: str | t
                 for h in handles:
                     h.remove()
                 if moved:
-                    blk.to(home)
+                    blk.to(home, stored)
             on_cpu = {p: g.cpu() for p, g in grams.items()}
             del grams
             bar.update(1)

@@ -31,11 +31,13 @@ Calibration statistics come from `compress.calibrate` over the source model as i
 source on the CPU and streams: `device` runs one decoder layer's calibration pass at a time, and each job (a
 private projection, or a Basis Sharing group once its last layer's Grams are in) is whitened and factorized there
 as soon as it can be (`Factorizer`), its Grams then dropped. The GPU holds one layer, one job and the calibration
-windows' hidden states; the host holds the fp32 source and the output.
+windows' hidden states; the host holds the source in its stored dtype (each layer and each matrix is cast to fp32
+when it visits `device`) and the output.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -223,10 +225,10 @@ def compress_model(model_dir: str | Path, out_dir: str | Path, method: str,
             raise ValueError(f"calibration text {calib_text} is empty; pass a text file with content")
     out_dir = check_out_dir(out_dir)  # exists, or cannot be created: refused before the work
 
-    # the source stays on the CPU: `device` sees one decoder layer (calibration) and one matrix (factors) at a time
+    # the source stays on the CPU in its own dtype: `device` sees one decoder layer (calibration) and one matrix
+    # (factors) at a time, each cast to fp32 there
     src, src_manifest = load_checkpoint(model_dir, "cpu")
     store_dtype = src.embed.weight.dtype
-    src = src.float()
     cfg = src.cfg
     ranks, groups = plan_factors(cfg, method, keep, group_size)
     model, kinds, calibration = stream_factors(src, Tokenizer.load(model_dir), method, ranks, groups,
@@ -252,25 +254,29 @@ def compress_model(model_dir: str | Path, out_dir: str | Path, method: str,
 def stream_factors(src: Transformer, tokenizer: Tokenizer, method: str, ranks: dict[str, int | None],
                    groups: dict[str, list[str]], calib_text: str | Path | None, calib_tokens: int,
                    calib_seq_len: int | None, calib_batch_size: int, device: str, progress: bool,
-                   svd_route: str) -> tuple[Transformer, dict[str, int], dict | None]:
-    """`src` (fp32, on the CPU) factorized by `method` at `ranks`: the model (fp32, on the CPU), the count of each
-    whitening kind used, and the calibration record (None without calibration text or factorized matrices).
+                   svd_route: str, out_device: str = "cpu",  # where the factorized model is built and returned
+                   ) -> tuple[Transformer, dict[str, int], dict | None]:
+    """`src` (on the CPU, any float dtype) factorized by `method` at `ranks`: the model (fp32, on `out_device`),
+    the count of each whitening kind used, and the calibration record (None without calibration text or
+    factorized matrices). The work is fp32 whatever src's dtype: each layer and matrix is cast when it is used, so a
+    bf16 source gives what the same source cast to fp32 first gives, without the host holding that copy.
 
     `device` sees one decoder layer (calibration: the windows' hidden states, the layer, its Grams) and one matrix
     (its factors, fp64) at a time; each matrix is factorized as soon as its Grams are in and its Grams dropped,
     so neither the model nor every layer's Grams (44 GB at the 7B width) are ever on `device` at once. The text is
     tokenized and checked before any other work."""
-    dense = {name: lin.dense_weight().detach() for name, lin in src.projections().items()}  # W (out, in) fp32
+    dense = SourceWeights(src)
     calibrated = calib_text is not None and any(r is not None for r in ranks.values())
     if calibrated:
         batches, seq_len = calibration_batches(src, tokenizer, calib_text, calib_tokens, calib_seq_len,
                                                calib_batch_size, progress)
-    model = _with_head(src, ranks, groups, "cpu")
+    model = _with_head(src, ranks, groups, out_device)
     filler = Factorizer(model, dense, method, ranks, groups, device, progress, svd_route)
     try:
         if calibrated:
             grams: dict[str, torch.Tensor] = {}
-            for layer in layer_grams(src, batches, device, progress, desc=f"calibrate {Path(calib_text).name}"):
+            for layer in layer_grams(src, batches, device, progress, desc=f"calibrate {Path(calib_text).name}",
+                                     dtype=torch.float32):
                 grams.update(layer)
                 for name in filler.run(grams):  # every job whose Grams are all in; theirs are not needed again
                     grams.pop(name, None)
@@ -282,6 +288,20 @@ def stream_factors(src: Transformer, tokenizer: Tokenizer, method: str, ranks: d
     if calibrated:
         calibration = {"text": Path(calib_text).name, "tokens": sum(b.numel() for b in batches), "seq_len": seq_len}
     return model, filler.kinds, calibration
+
+
+class SourceWeights:
+    """The source's dense weights W (out, in) by projection name, read when a job asks for one: a dense layer's
+    own weight as it is at that moment (a layer cast for its calibration pass comes back in new storage, which a
+    dict made up front would hold twice), a factorized layer's U V multiplied out in fp32."""
+
+    def __init__(self, src: Transformer) -> None:
+        self.lins = src.projections()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        lin = self.lins[name]
+        with torch.no_grad():
+            return lin.weight.detach() if lin.rank is None else lin.U.float() @ lin.V.float()
 
 
 def factorized(src: Transformer, dense: dict[str, torch.Tensor], stats: CalibStats | None, method: str,
@@ -338,7 +358,7 @@ class Factorizer:
     Sharing group, or one private projection. The work runs on `device` (W and its Gram moved there one job at a
     time), the results land wherever `model` lives. `kinds` counts the whitening kinds used."""
 
-    def __init__(self, model: Transformer, dense: dict[str, torch.Tensor], method: str,
+    def __init__(self, model: Transformer, dense: Mapping[str, torch.Tensor] | SourceWeights, method: str,
                  ranks: dict[str, int | None], groups: dict[str, list[str]], device: str, progress: bool,
                  svd_route: str = "auto") -> None:
         self.lins, self.dense, self.method, self.ranks = model.projections(), dense, method, ranks
@@ -389,7 +409,7 @@ class Factorizer:
     @torch.no_grad()
     def _job(self, kind: str, members: list[str], grams: dict[str, torch.Tensor] | None,
              cache: dict[tuple[int, ...], Whitening]) -> None:
-        W = {m: self.dense[m].to(self.device) for m in members}
+        W = {m: self.dense[m].to(self.device, torch.float32) for m in members}
         if kind == "group":
             V, Us = shared_basis_factors([W[m] for m in members], self._whitening(members, grams, cache),
                                          self.ranks[members[0]], self.route)

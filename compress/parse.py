@@ -182,14 +182,15 @@ def build_pool(dense_dir: str | Path, base: str, keep: float, calib_text: str | 
     Calibration and factorization are `compress_model`'s own (same defaults), so the first K components of
     each matrix are the static checkpoint's factors.
     """
-    src, _ = load_checkpoint(dense_dir, "cpu", torch.float32)  # the source stays on the CPU, as in compress_model:
-    # `device` sees a decoder layer and a matrix at a time (a 7B source and its Grams would not fit one GPU)
+    src, _ = load_checkpoint(dense_dir, "cpu")  # the source stays on the CPU in its own dtype, as in compress_model:
+    # `device` sees a decoder layer and a matrix at a time, cast to fp32 (a 7B source and its Grams would not fit one
+    # GPU); the pool is built where it will live, so the host never holds it
     k, r_max, groups = plan_experts(src.cfg, base, keep, pool_factor, group_size)
     ranks = {n: r_max.get(n) for n in src.projections()}
     model, _, _ = stream_factors(src, Tokenizer.load(dense_dir), base, ranks, groups, calib_text, calib_tokens,
-                                 calib_seq_len, 8, device, progress, svd_route)
+                                 calib_seq_len, 8, device, progress, svd_route, out_device=device)
     del src
-    return model.eval().to(device), k, r_max
+    return model.eval(), k, r_max
 
 
 # --- training data -------------------------------------------------------------------------------

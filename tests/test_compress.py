@@ -248,6 +248,37 @@ def test_streamed_compress_equals_factorizing_the_whole_statistics(tiny_dir, tmp
         assert torch.equal(ours[name], p.to(ours[name].dtype)), name  # both stored at the source's dtype
 
 
+def test_a_bf16_source_gives_what_its_fp32_cast_gives(tiny_dir, tmp_path):
+    """The source stays on the host in its stored dtype and each layer and matrix is cast to fp32 when it is used:
+    compress and the PARSE pool give, to the bit, what the same weights saved in fp32 give (a multiplied-out
+    factorized source included)."""
+    from rankserve.compress.parse import build_pool
+
+    def both(model_dir: Path, name: str) -> tuple[Path, Path]:  # the model saved in bf16, and that cast to fp32
+        model, man = load_checkpoint(model_dir)
+        half = save_checkpoint(tmp_path / f"{name}-bf16", model, man, tokenizer_dir=tiny_dir, dtype=torch.bfloat16)
+        cast, _ = load_checkpoint(half, dtype=torch.float32)
+        return half, save_checkpoint(tmp_path / f"{name}-fp32", cast, man, tokenizer_dir=tiny_dir)
+
+    half, full = both(tiny_dir, "dense")
+    kw = dict(calib_text=CALIB, calib_tokens=2048, calib_seq_len=128, progress=False)
+    pairs = []
+    for method in ("svd-llm", "basis-sharing"):
+        pairs.append([compress_model(d, tmp_path / f"{method}-{d.name}", method, 0.6, **kw) for d in (half, full)])
+    factored = both(pairs[0][0], "factored")  # a factorized source, multiplied out
+    pairs.append([compress_model(d, tmp_path / f"re-{d.name}", "svd-llm", 0.5, **kw) for d in factored])
+    for a, b in pairs:
+        ours, theirs = (dict(load_checkpoint(d)[0].named_parameters()) for d in (a, b))
+        assert ours["embed.weight"].dtype == torch.bfloat16 and theirs["embed.weight"].dtype == torch.float32
+        for name, p in theirs.items():
+            assert torch.equal(ours[name], p.to(torch.bfloat16)), (a.name, name)
+    pools = [build_pool(d, "svd-llm", 0.6, CALIB, calib_tokens=2048, calib_seq_len=128, progress=False)[0]
+             for d in (half, full)]
+    theirs = dict(pools[1].named_parameters())
+    for name, p in pools[0].named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, theirs[name]), name
+
+
 @pytest.mark.parametrize("method", ["svd-llm", "basis-sharing"])
 def test_compress_by_the_eigh_route_gives_the_same_model(tiny_dir, tmp_path, method):
     """`svd_route="eigh"` (what "auto" takes on a GPU, bench/svd_probe.py) and the SVD ("auto" on the CPU) give the
