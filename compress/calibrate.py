@@ -104,8 +104,9 @@ def layer_grams(model: Transformer, batches: list[torch.Tensor], device: str | t
     The windows' hidden states (tokens x hidden) stay on `device` between layers (in the model's memory instead,
     a batch at a time visiting the device, when they would take more than a quarter of a GPU's free memory); each
     decoder layer is moved there for its pass and back after it, so the device never holds more than one layer's
-    weights and Grams. With `dtype` (say fp32 for a bf16 model) each layer is cast for its pass and cast back after
-    it: the passes are those of a model cast whole, while the host keeps the model in its own dtype.
+    weights and Grams. With `dtype` (say fp32 for a bf16 model) each layer runs as a cast copy: the passes are
+    those of a model cast whole, while the host keeps the model in its own dtype. A layer's parameters get their
+    own storage back after its pass (nothing is copied back), so the model is never held twice.
     Every window starts at position 0 with no padding: the same attention as the model's own forward.
     """
     home, stored = model.embed.weight.device, model.embed.weight.dtype
@@ -126,7 +127,8 @@ def layer_grams(model: Transformer, batches: list[torch.Tensor], device: str | t
     try:
         for i, blk in enumerate(model.layers):
             moved = dev != home or run != stored
-            if moved:
+            if moved:  # the layer runs as a copy on `dev` in `run`; its own storage stays where it is, untouched
+                kept = [(p, p.data) for p in blk.parameters()]  # (a Block holds no buffers)
                 blk.to(dev, run)
             grams: dict[str, torch.Tensor] = {}
             handles = []
@@ -147,7 +149,8 @@ def layer_grams(model: Transformer, batches: list[torch.Tensor], device: str | t
                 for h in handles:
                     h.remove()
                 if moved:
-                    blk.to(home, stored)
+                    for p, data in kept:
+                        p.data = data
             on_cpu = {p: g.cpu() for p, g in grams.items()}
             del grams
             bar.update(1)

@@ -292,8 +292,8 @@ def stream_factors(src: Transformer, tokenizer: Tokenizer, method: str, ranks: d
 
 class SourceWeights:
     """The source's dense weights W (out, in) by projection name, read when a job asks for one: a dense layer's
-    own weight as it is at that moment (a layer cast for its calibration pass comes back in new storage, which a
-    dict made up front would hold twice), a factorized layer's U V multiplied out in fp32."""
+    own weight (in the source's dtype; the job casts it on its device), a factorized layer's U V multiplied out in
+    fp32 then, not every layer's up front."""
 
     def __init__(self, src: Transformer) -> None:
         self.lins = src.projections()
