@@ -31,8 +31,8 @@ Calibration statistics come from `compress.calibrate` over the source model as i
 source on the CPU and streams: `device` runs one decoder layer's calibration pass at a time, and each job (a
 private projection, or a Basis Sharing group once its last layer's Grams are in) is whitened and factorized there
 as soon as it can be (`Factorizer`), its Grams then dropped. The GPU holds one layer, one job and the calibration
-windows' hidden states; the host holds the source in its stored dtype (each layer and each matrix is cast to fp32
-when it visits `device`) and the output.
+windows' hidden states; the host holds the source and the output in the source's dtype (each layer and each matrix
+is cast to fp32 when it visits `device`; each factor is rounded to fp32, then to the output's dtype).
 """
 
 from __future__ import annotations
@@ -233,7 +233,8 @@ def compress_model(model_dir: str | Path, out_dir: str | Path, method: str,
     ranks, groups = plan_factors(cfg, method, keep, group_size)
     model, kinds, calibration = stream_factors(src, Tokenizer.load(model_dir), method, ranks, groups,
                                                calib_text if needs_calib else None, calib_tokens, calib_seq_len,
-                                               calib_batch_size, device, progress, svd_route)
+                                               calib_batch_size, device, progress, svd_route,
+                                               out_dtype=store_dtype)  # the host holds the output as stored
 
     kept, total = count_params(cfg, ranks, groups)
     provenance = {"method": method, "keep_requested": keep, "keep_achieved": round(kept / total, 6),
@@ -255,8 +256,9 @@ def stream_factors(src: Transformer, tokenizer: Tokenizer, method: str, ranks: d
                    groups: dict[str, list[str]], calib_text: str | Path | None, calib_tokens: int,
                    calib_seq_len: int | None, calib_batch_size: int, device: str, progress: bool,
                    svd_route: str, out_device: str = "cpu",  # where the factorized model is built and returned
+                   out_dtype: torch.dtype = torch.float32,  # what it holds (fp64 factors rounded to fp32, then this)
                    ) -> tuple[Transformer, dict[str, int], dict | None]:
-    """`src` (on the CPU, any float dtype) factorized by `method` at `ranks`: the model (fp32, on `out_device`),
+    """`src` (on the CPU, any float dtype) factorized by `method` at `ranks`: the model (`out_dtype`, on `out_device`),
     the count of each whitening kind used, and the calibration record (None without calibration text or
     factorized matrices). The work is fp32 whatever src's dtype: each layer and matrix is cast when it is used, so a
     bf16 source gives what the same source cast to fp32 first gives, without the host holding that copy.
@@ -270,7 +272,7 @@ def stream_factors(src: Transformer, tokenizer: Tokenizer, method: str, ranks: d
     if calibrated:
         batches, seq_len = calibration_batches(src, tokenizer, calib_text, calib_tokens, calib_seq_len,
                                                calib_batch_size, progress)
-    model = _with_head(src, ranks, groups, out_device)
+    model = _with_head(src, ranks, groups, out_device, out_dtype)
     filler = Factorizer(model, dense, method, ranks, groups, device, progress, svd_route)
     try:
         if calibrated:
@@ -321,9 +323,9 @@ def factorized(src: Transformer, dense: dict[str, torch.Tensor], stats: CalibSta
 
 
 def _with_head(src: Transformer, ranks: dict[str, int | None], groups: dict[str, list[str]],
-               device: str) -> Transformer:
-    """An fp32 model of src's shape at `ranks` on `device`, holding src's embeddings, norms and head."""
-    model = Transformer(src.cfg, ranks, groups, device=device)
+               device: str, dtype: torch.dtype = torch.float32) -> Transformer:
+    """A model of src's shape at `ranks` on `device` in `dtype`, holding src's embeddings, norms and head."""
+    model = Transformer(src.cfg, ranks, groups, device=device, dtype=dtype)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, t in src.state_dict().items():  # embeddings, norms, head
@@ -410,12 +412,14 @@ class Factorizer:
     def _job(self, kind: str, members: list[str], grams: dict[str, torch.Tensor] | None,
              cache: dict[tuple[int, ...], Whitening]) -> None:
         W = {m: self.dense[m].to(self.device, torch.float32) for m in members}
+        # the fp64 factors are rounded to fp32 first whatever the model holds: a bf16 model gets what an fp32 model
+        # cast to bf16 at its write got (rounding fp64 to bf16 at once can differ in the last bit)
         if kind == "group":
             V, Us = shared_basis_factors([W[m] for m in members], self._whitening(members, grams, cache),
                                          self.ranks[members[0]], self.route)
-            self.lins[members[0]].V.copy_(V)  # the group's one Parameter
+            self.lins[members[0]].V.copy_(V.float())  # the group's one Parameter
             for m, U in zip(members, Us):
-                self.lins[m].U.copy_(U)
+                self.lins[m].U.copy_(U.float())
             return
         name, r = members[0], self.ranks[members[0]]
         if r is None:
@@ -425,5 +429,5 @@ class Factorizer:
             U, V = svd_factors(W[name], r, self.route)
         else:
             U, V = svd_llm_factors(W[name], self._whitening([name], grams, cache), r, self.route)
-        self.lins[name].U.copy_(U)
-        self.lins[name].V.copy_(V)
+        self.lins[name].U.copy_(U.float())
+        self.lins[name].V.copy_(V.float())

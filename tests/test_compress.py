@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from rankserve.compress.calibrate import INPUT_OF, _accumulate, calibrate, calibration_batches
+from rankserve.compress.calibrate import INPUT_OF, _accumulate, calibrate, calibration_batches, layer_grams
 from rankserve.compress.evaluate import perplexity
 from rankserve.compress.factorize import (compress_model, factorized, rank_for, shared_basis_factors, shared_rank_for,
                                           resolve_route, svd_factors, svd_llm_factors, top_singular,
@@ -230,6 +230,23 @@ def test_layer_by_layer_grams_equal_the_whole_model_forward(tiny_dir):
     for name, g in stats.grams.items():
         layer, proj = name.split(".")[1], name.rsplit(".", 1)[1]
         assert torch.equal(g, ref[proj_name(int(layer), INPUT_OF[proj])]), name
+
+
+def test_grams_of_a_layer_cast_for_its_pass_leave_the_model_as_it_was(tiny_dir):
+    """layer_grams(dtype=fp32) over a bf16 model gives the Grams of the model cast to fp32 whole, and every parameter
+    keeps its own storage and dtype (nothing copied back: the host never holds a layer twice)."""
+    half, _ = load_checkpoint(tiny_dir, dtype=torch.bfloat16)
+    cast, _ = load_checkpoint(tiny_dir, dtype=torch.bfloat16)
+    cast.float()
+    before = {n: (p.data_ptr(), p.dtype) for n, p in half.named_parameters()}
+    batches, _ = calibration_batches(half, Tokenizer.load(tiny_dir), CALIB, 1000, 128, 3)
+    ours = [g for layer in layer_grams(half, batches, "cpu", progress=False, dtype=torch.float32)
+            for g in layer.items()]
+    theirs = [g for layer in layer_grams(cast, batches, "cpu", progress=False) for g in layer.items()]
+    assert [n for n, _ in ours] == [n for n, _ in theirs] and len(ours) == 7 * 3
+    for (name, a), (_, b) in zip(ours, theirs):
+        assert torch.equal(a, b), name
+    assert {n: (p.data_ptr(), p.dtype) for n, p in half.named_parameters()} == before
 
 
 def test_streamed_compress_equals_factorizing_the_whole_statistics(tiny_dir, tmp_path):
