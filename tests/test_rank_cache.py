@@ -363,11 +363,14 @@ def test_discard_removes_an_entry_everywhere(make_cache):
 
 def test_a_stream_add_read_before_a_discard_does_not_bring_the_entry_back(make_cache):
     """The tail thread may read an entry's "add" before this replica discards it and apply it after: the entry
-    stays out until its "del" comes back (the race CI once hit in test_discard_removes_an_entry_everywhere)."""
+    stays out until its "del" comes back (the race CI once hit in test_discard_removes_an_entry_everywhere). Once the
+    "del" is applied no older "add" can follow: one thread reads the stream in order."""
     from rankserve.rank_cache.cache import encode_subset
     from rankserve.rank_cache.store import Event
 
     a = make_cache()
+    a._stop.set()  # this test plays the tail thread: the real one must not apply the "del" before the late "add"
+    a._thread.join()
     v = unit("discarded while its add is in flight")
     id = a.insert("svd-llm", "m1", v, {"late": 1})
     late = Event("0-1", "add", "svd-llm", "m1", id, np.asarray(v, np.float32), encode_subset({"late": 1}))
