@@ -152,16 +152,18 @@ def test_track_a_space_after_start(make_cache, server):
 def test_size_bound_evicts_least_recently_used(make_cache, server):
     a, b = make_cache(max_entries=3), make_cache(max_entries=3)
     vecs = [unit(f"e{i}") for i in range(5)]
+    ids = []
     for i in range(3):
-        a.insert("svd-llm", "m1", vecs[i], {"i": i})
+        ids.append(a.insert("svd-llm", "m1", vecs[i], {"i": i}))
         time.sleep(0.01)  # distinct last-use times
     assert a.lookup("svd-llm", "m1", vecs[0]) is not None  # use entry 0: entry 1 is now the oldest
-    time.sleep(0.3)  # the tail thread flushes the touch to Redis
+    r = redis.Redis.from_url(server.url)
+    key = f"rankcache:{KEY_SCHEMA}:svd-llm:m1:ids"
+    wait_for(lambda: r.zscore(key, str(ids[0])) > r.zscore(key, str(ids[2])), what="the tail thread to flush the touch")
     a.insert("svd-llm", "m1", vecs[3], {"i": 3})
     a.insert("svd-llm", "m1", vecs[4], {"i": 4})
 
-    r = redis.Redis.from_url(server.url)
-    assert r.zcard(f"rankcache:{KEY_SCHEMA}:svd-llm:m1:ids") == 3
+    assert r.zcard(key) == 3
     assert a.size("svd-llm", "m1") == 3
     wait_for(lambda: b.size("svd-llm", "m1") == 3 and b.lookup("svd-llm", "m1", vecs[4]) is not None,
              what="replica b to apply the evictions")

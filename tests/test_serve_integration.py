@@ -124,6 +124,11 @@ def wait_for(cond, timeout=30.0, what="condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def model_version(service, family: str) -> str:
+    models = httpx.get(service.http_url + "/v1/models", headers=AUTH, timeout=10).json()["data"]
+    return next(m["model_version"] for m in models if m["id"] == family)
+
+
 def cli_generate(model_dir: str, prompt: str, n: int, *extra: str) -> dict:
     out = subprocess.run([sys.executable, "-m", "rankserve.cli", "generate", model_dir, "--prompt", prompt,
                           "--max-new-tokens", str(n), "--json", *extra], check=True, capture_output=True, text=True)
@@ -438,15 +443,23 @@ def test_models_and_health(service):
 
 # ---- rank cache ------------------------------------------------------------------------------------------------
 
-def test_similar_prompt_hits_the_rank_cache(service, stub):
+def test_similar_prompt_hits_the_rank_cache(service, stub, redis):
     from rankserve.proto import rankserve_pb2 as pb
+    from rankserve.rank_cache import RedisStore
 
     family = "basis-sharing"
     prompt = "The little dog ran to the park to find his red ball."
     hits0 = metric(service, "ray_rankserve_rank_cache_hits_total", family=family)
-    r = post(service, {"model": family, "prompt": prompt, "max_tokens": 4})
-    assert r.status_code == 200 and r.headers["x-rankserve-rank-cache"] == "miss"
-    time.sleep(0.2)  # the write-back runs in the background
+    version = model_version(service, family)
+    store = RedisStore(redis.url)
+    try:
+        n0 = len(store.entries(family, version)[0])
+        r = post(service, {"model": family, "prompt": prompt, "max_tokens": 4})
+        assert r.status_code == 200 and r.headers["x-rankserve-rank-cache"] == "miss"
+        # the write-back runs in the background; the router's index takes the entry as Redis answers the write
+        wait_for(lambda: len(store.entries(family, version)[0]) > n0, what="the write-back to Redis")
+    finally:
+        store.close()
     r = post(service, {"model": family, "prompt": "The little dog ran to the park to find his red ball!",
                        "max_tokens": 4})
     assert r.status_code == 200 and r.headers["x-rankserve-rank-cache"] == "hit"
@@ -478,8 +491,7 @@ def test_parse_family_routes_on_a_miss_only(service, stub, redis, tmp_path):
     assert miss.status_code == 200 and miss.headers["x-rankserve-rank-cache"] == "miss", miss.text
     wait_for(lambda: runs() == runs0 + 1, what="the router run to show in /metrics")
 
-    version = next(m["model_version"] for m in httpx.get(service.http_url + "/v1/models", headers=AUTH,
-                                                         timeout=10).json()["data"] if m["id"] == family)
+    version = model_version(service, family)
     store = RedisStore(redis.url)
     try:  # the router's write-back of the worker's choice: the family's space holds this one entry
         wait_for(lambda: len(store.entries(family, version)[0]) == 1, what="the write-back to Redis")
@@ -514,21 +526,23 @@ def test_a_cached_subset_the_worker_refuses_is_a_miss_and_leaves_the_cache(servi
 
     family = "parse-svd-llm"
     prompt = "A small green frog sat on a lily pad in the quiet pond."
-    version = next(m["model_version"] for m in httpx.get(service.http_url + "/v1/models", headers=AUTH,
-                                                         timeout=10).json()["data"] if m["id"] == family)
+    version = model_version(service, family)
     misses = lambda: metric(service, "ray_rankserve_rank_cache_misses_total", family=family)
     store = RedisStore(redis.url)
     try:
         bad, _ = store.put(family, version, Embedder().embed_one(prompt), encode_subset({"v": 1, "k": {}}), 10_000,
                            time.time())
-        time.sleep(1.0)  # the router's tail thread adds it to its index
+        n = len(store.entries(family, version)[0])
+        wait_for(lambda: metric(service, "ray_rankserve_rank_cache_size", family=family) == n,
+                 what="the router's tail thread to add the planted entry to its index")
         misses0 = misses()
         body = {"model": family, "prompt": prompt, "max_tokens": 4, "temperature": 0}
         r = post(service, body)
         assert r.status_code == 200 and r.headers["x-rankserve-rank-cache"] == "miss", r.text
         wait_for(lambda: bad not in store.entries(family, version)[0], what="the refused entry to leave Redis")
         wait_for(lambda: misses() >= misses0 + 1, what="the miss to show in /metrics")
-        time.sleep(0.3)  # the write-back of the worker's own choice runs in the background
+        wait_for(lambda: max(store.entries(family, version)[0], default=0) > bad,
+                 what="the write-back of the worker's own choice")
         again = post(service, body)
         assert again.headers["x-rankserve-rank-cache"] == "hit" and again.json()["choices"] == r.json()["choices"]
     finally:
