@@ -136,8 +136,10 @@ def run_layers(res: dict[str, Any], stages: list[str], a: argparse.Namespace, tm
                                          train_text=a.calib, steps=a.parse_steps, kd_steps=a.parse_kd_steps,
                                          train=train, calib_tokens=a.calib_tokens, progress=False, device=a.device,
                                          svd_route=route, work_dir=work)
+        training = read_config(out)[1].methods["parse"]["training"]  # what the KD stage kept, and its held-out KL
         res["parse"] = m.row(svd_route=route, windows=a.parse_windows, steps=a.parse_steps, kd_steps=a.parse_kd_steps,
                              router_chunk=a.router_chunk, resumed=resumed,
+                             kd={key: training.get(key) for key in ("kd_kept", "kd_heldout_kl_start", "kd_heldout_kl")},
                              out_bytes=(out / "model.safetensors").stat().st_size,
                              finite_logits=_finite_logits(out, a.device))
         print(f"[{layers} layers] parse {res['parse']}", flush=True)

@@ -38,6 +38,9 @@ def test_stages_report_time_memory_and_a_usable_checkpoint(tmp_path):
                  "--svd-route", "eigh", "--out", str(out)]) == 0
     parse = json.loads(out.read_text())["runs"][0]["parse"]
     assert parse["finite_logits"] and parse["steps"] == 2 and parse["seconds"] > 0 and parse["svd_route"] == "eigh"
+    kd = parse["kd"]  # the KD stage's step kept ("start" or its step) and its held-out KL before and after
+    assert kd["kd_kept"] in ("start", "step 1"), kd
+    assert kd["kd_heldout_kl"] <= kd["kd_heldout_kl_start"] + 1e-6
 
 
 def test_bad_arguments_exit_2(tmp_path, capsys):
