@@ -10,6 +10,9 @@ checkpoint on both, and how long each takes.
    each device. Compared: the pool's logits with every component on and with the static first-K mask (the
    factors, as 1.), and the subsets the two checkpoints' routers pick for a few prompts (overlap of the K picks per
    matrix; the routers are trained on each device's own factors and statistics, so they agree closely, not exactly).
+3. kd offload: the end-to-end stage of 2.'s build on `--device` run again from the same work dir (pool, router data
+   and layer-local routers), plain and with `--kd-offload on` (dense teacher and AdamW moments in host memory): the two
+   checkpoints' tensors, compared bit for bit.
 
     python -m rankserve.bench.offline_device --out bench/results/offline-device-h200.json       # GPU
     python -m rankserve.bench.offline_device --device cpu --out /tmp/od.json --calib-tokens 4096  # CPU against itself
@@ -18,6 +21,7 @@ checkpoint on both, and how long each takes.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -108,6 +112,29 @@ def compare_parse(device: str, tmp: Path, calib_tokens: int) -> dict[str, Any]:
                 router_pick_overlap_min=round(min(overlaps), 4), prompts=len(PROMPTS))
 
 
+def compare_kd_offload(device: str, tmp: Path, calib_tokens: int) -> dict[str, Any]:
+    """The KD stage of a small PARSE build on `device`, plain and offloaded (`kd_offload`), from one work dir: the
+    seconds of each build and whether every tensor of the two checkpoints is equal."""
+    from safetensors.torch import load_file
+
+    model, work = ROOT / "models" / "stories260K", tmp / "kd-work"
+    dirs, secs = {}, {}
+    # the first build fills the work dir; the next two read the same pool, router data and layer-local routers from
+    # it (a fresh stage's routers differ from their stored copy in rounding) and run the KD stage again
+    for key, mode in (("first", "off"), ("off", "off"), ("on", "on")):
+        (work / "kd_state.safetensors").unlink(missing_ok=True)
+        dirs[key], secs[key] = _timed(lambda: build_parse_checkpoint(
+            model, tmp / f"kd-{key}", keep=0.6, calib_text=STORY_TEXT, train_text=STORY_TEXT, steps=20,
+            kd_steps=10, train=TrainConfig(windows=96, window=32, prompt_len=16, batch_size=16, kd_batch=4,
+                                           holdout=0.0, eval_every=1, kd_lr=1e-3),
+            calib_tokens=calib_tokens, calib_seq_len=128, progress=False, device=device, work_dir=work,
+            keep_work=True, kd_offload=mode))
+    a, b = (load_file(str(dirs[m] / "model.safetensors")) for m in ("off", "on"))
+    kept = json.loads((dirs["on"] / "rankserve.json").read_text())["methods"]["parse"]["training"]["kd_kept"]
+    return dict(seconds_plain=secs["off"], seconds_offload=secs["on"], kd_kept=kept, tensors=len(a),
+                equal=a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a))
+
+
 def usable(device: str, prog: str) -> bool:
     """Whether tensors can live on `device`; if not, says so on stderr."""
     try:
@@ -136,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         res = dict(device=torch.cuda.get_device_name() if a.device.startswith("cuda") else "CPU",
                    torch=torch.__version__, compress=compare_compress(a.model, a.calib, a.device, a.keep,
                                                                       a.calib_tokens, Path(tmp)),
-                   parse=compare_parse(a.device, Path(tmp), min(a.calib_tokens, 4096)))
+                   parse=compare_parse(a.device, Path(tmp), min(a.calib_tokens, 4096)),
+                   kd_offload=compare_kd_offload(a.device, Path(tmp), min(a.calib_tokens, 4096)))
     write_json(a.out, res)
     print(res)
     return 0

@@ -135,10 +135,10 @@ def run_layers(res: dict[str, Any], stages: list[str], a: argparse.Namespace, tm
             out = build_parse_checkpoint(dense, tmp / f"parse-{layers}", keep=a.keep, calib_text=a.calib,
                                          train_text=a.calib, steps=a.parse_steps, kd_steps=a.parse_kd_steps,
                                          train=train, calib_tokens=a.calib_tokens, progress=False, device=a.device,
-                                         svd_route=route, work_dir=work)
+                                         svd_route=route, work_dir=work, kd_offload=a.kd_offload)
         training = read_config(out)[1].methods["parse"]["training"]  # what the KD stage kept, and its held-out KL
         res["parse"] = m.row(svd_route=route, windows=a.parse_windows, steps=a.parse_steps, kd_steps=a.parse_kd_steps,
-                             router_chunk=a.router_chunk, resumed=resumed,
+                             router_chunk=a.router_chunk, kd_offload=a.kd_offload, resumed=resumed,
                              kd={key: training.get(key) for key in ("kd_kept", "kd_heldout_kl_start", "kd_heldout_kl")},
                              out_bytes=(out / "model.safetensors").stat().st_size,
                              finite_logits=_finite_logits(out, a.device))
@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parse-windows", type=int, default=64)
     ap.add_argument("--parse-steps", type=int, default=10)
     ap.add_argument("--parse-kd-steps", type=int, default=5)
+    ap.add_argument("--kd-offload", default="auto", choices=("auto", "on", "off"),
+                    help="the KD stage's dense teacher and AdamW moments in host memory (train-parse --kd-offload)")
     ap.add_argument("--router-chunk", type=int, default=0, help="matrices the parse stage's router training holds "
                     "at a time (0 = all)")
     ap.add_argument("--tmp", type=Path, default=None, help="where the checkpoints go (default: a temp dir)")

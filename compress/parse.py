@@ -53,6 +53,7 @@ import json
 import math
 import random
 import shutil
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -62,6 +63,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from rankserve.compress.factorize import plan_factors, stream_factors
+from rankserve.compress.offload import host_step, host_teacher
 from rankserve.workers.checkpoint import (CheckpointError, Manifest, count_params, check_checkpoint, load_checkpoint,
                                           save_checkpoint)
 from rankserve.workers.model import Transformer
@@ -576,13 +578,19 @@ def _train_chunk(data: RouterData, k: dict[str, int], steps: int, cfg: TrainConf
     return best, static_loss, warm_loss
 
 
-def kd_stage_bytes(cfg, r_max: dict[str, int], groups: dict[str, list[str]]) -> int:
+def kd_stage_bytes(cfg, r_max: dict[str, int], groups: dict[str, list[str]], offload: bool = False) -> int:
     """A lower bound on the bytes the end-to-end (KD) stage holds at once on its device: the r_max pool and the
-    dense model in fp32, and every router parameter with its gradient and two AdamW moments (fp32)."""
+    dense model in fp32, and every router parameter with its gradient and two AdamW moments (fp32). `offload`
+    (compress/offload.py): the dense model's layers and the moments wait on the host, so the device holds the pool,
+    the dense model less all but one of its layers, and every router parameter twice (value, gradient)."""
     ranks = {n: r_max.get(n) for n in Transformer(cfg, {}, device="meta").projections()}
     pool = sum(p.numel() for p in Transformer(cfg, ranks, groups, device="meta").parameters())
-    dense = sum(p.numel() for p in Transformer(cfg, {}, device="meta").parameters())
-    return 4 * (pool + dense) + 16 * _router_params(cfg, r_max)
+    dense_model = Transformer(cfg, {}, device="meta")
+    dense = sum(p.numel() for p in dense_model.parameters())
+    if not offload:
+        return 4 * (pool + dense) + 16 * _router_params(cfg, r_max)
+    layer = sum(p.numel() for p in dense_model.layers[0].parameters())
+    return 4 * (pool + dense - (cfg.num_hidden_layers - 1) * layer) + 8 * _router_params(cfg, r_max)
 
 
 def _router_params(cfg, r_max: dict[str, int]) -> int:
@@ -591,22 +599,36 @@ def _router_params(cfg, r_max: dict[str, int]) -> int:
     return sum(r * (shapes[n.rsplit(".", 1)[1]][1] + 1) for n, r in r_max.items())
 
 
-def check_kd_fits(cfg, r_max: dict[str, int], groups: dict[str, list[str]], device: str) -> None:
-    """Raise a one-line ValueError when the KD stage's lower bound (`kd_stage_bytes`) exceeds the whole memory of
-    the CUDA `device`: it would run out of memory after the pool and the router stage, so say so before them."""
+KD_OFFLOAD = ("auto", "on", "off")
+
+
+def kd_placement(cfg, r_max: dict[str, int], groups: dict[str, list[str]], device: str,
+                 offload: str = "auto") -> bool:
+    """Whether the KD stage keeps its dense teacher and AdamW moments on the host (`offload`: "on", "off", or "auto":
+    on a CUDA device whose whole memory is below the plain stage's lower bound, `kd_stage_bytes`). Raises a one-line
+    ValueError when the chosen placement's bound exceeds that memory: the stage would run out of memory after the pool
+    and the router stage, so say so before them. Off a CUDA device nothing is checked and "auto" is off."""
+    if offload not in KD_OFFLOAD:
+        raise ValueError(f"kd offload must be one of {', '.join(KD_OFFLOAD)}, got {offload!r}")
     if not str(device).startswith("cuda") or not torch.cuda.is_available():
-        return
-    need, total = kd_stage_bytes(cfg, r_max, groups), torch.cuda.get_device_properties(device).total_memory
+        return offload == "on"
+    total = torch.cuda.get_device_properties(device).total_memory
+    use = offload == "on" or (offload == "auto" and kd_stage_bytes(cfg, r_max, groups) > total)
+    need = kd_stage_bytes(cfg, r_max, groups, use)
     if need > total:
-        raise ValueError(f"the end-to-end (KD) stage holds at least {need / 1e9:.1f} GB on {device} (the pool and "
-                         f"the dense model in fp32, {_router_params(cfg, r_max) / 1e9:.2f} G router parameters with "
-                         f"their gradients and AdamW moments), more than its {total / 1e9:.1f} GB: pass --kd-steps 0 "
-                         "to keep the layer-local routers, or use a device with more memory")
+        held = ("the pool, one dense layer and" if use else "the pool and the dense model in fp32,")
+        twice = "their gradients" if use else "their gradients and AdamW moments"
+        raise ValueError(f"the end-to-end (KD) stage holds at least {need / 1e9:.1f} GB on {device} ({held} "
+                         f"{_router_params(cfg, r_max) / 1e9:.2f} G router parameters with {twice}), more than its "
+                         f"{total / 1e9:.1f} GB: pass --kd-steps 0 to keep the layer-local routers"
+                         + ("" if use else ", --kd-offload on to keep the teacher and moments on the host")
+                         + ", or use a device with more memory")
+    return use
 
 
 def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k: dict[str, int],
                     R: dict[str, torch.Tensor], b: dict[str, torch.Tensor], steps: int, cfg: TrainConfig | None = None,
-                    state_path: str | Path | None = None, progress: bool = True,
+                    state_path: str | Path | None = None, progress: bool = True, host: str | None = None,
                     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
     """End-to-end stage: all routers together, STE masks on the r_max `model`, loss = KL(dense ‖ PARSE) of the
     next-token distributions over every token of a window (the logit-KD term; the routers see the windows'
@@ -614,7 +636,8 @@ def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k:
     `train_routers` returns them); keeps the iterate with the lowest KL on `cfg.kd_eval` held-out windows,
     the start included. Resumable through `state_path` like `train_routers`; a finished stage keeps only its best
     routers there and is read back without building the stage. Returns (R, b, report) on the data's device. The
-    models and the data must be on one device, where it runs; (R, b) may wait on the CPU.
+    models and the data must be on one device, where it runs; (R, b) may wait on the CPU. `host`: AdamW's moments
+    wait there between steps (`offload.host_step`; the same result), None = on the device.
     """
     cfg = cfg or TrainConfig()
     P, dev = data.n, data.windows.device
@@ -691,7 +714,7 @@ def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k:
     try:
         start = 0
         if state_path is not None and Path(state_path).is_file():
-            start = _load_state(Path(state_path), params, opt, sched, best)
+            start = _load_state(Path(state_path), params, opt, sched, best, host)
             best = {n: (R.cpu(), b.cpu(), h, at) for n, (R, b, h, at) in best.items()}
         else:
             h0 = heldout()
@@ -705,7 +728,7 @@ def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k:
             idx = train_idx[pick.to(dev)]
             masks(idx, hard=False)
             loss = kd(idx)
-            bar.set_postfix(kl=f"{_descend(opt, sched, loss):.4f}")
+            bar.set_postfix(kl=f"{_descend(opt, sched, loss, host):.4f}")
             if (step + 1) % cfg.eval_every == 0 or step + 1 == steps:
                 h = heldout()
                 if h < next(iter(best.values()))[2]:
@@ -810,6 +833,9 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
                            # whose own components are the experts (native_experts); then no pool is built, and
                            # base, pool_factor, group_size and the calibration are not used
                            resume: bool = True,  # False: a work dir of ours is discarded (after the input checks)
+                           kd_offload: str = "auto",  # the KD stage's dense teacher and AdamW moments on the host:
+                           # "on", "off", or "auto" (when the plain stage cannot fit the CUDA device; kd_placement).
+                           # The same result either way, so not a setting of the work dir
                            ) -> Path:
     """Build a PARSE checkpoint from the dense native checkpoint `dense_dir`; returns `out_dir`. The routers are
     trained against the dense model; the experts are a pool built from it (`base`) or `pool_from`'s factors.
@@ -839,9 +865,10 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
         k, r_max = native_experts(pool_cfg, pool_man.ranks, pool_man.groups, keep)
     else:  # e.g. a keep that leaves nothing to route
         _, r_max, groups = plan_experts(dense_cfg, base, keep, pool_factor, group_size)
+    offload = False
     if kd_steps:  # a stage that cannot fit fails now, not after the pool build and the router training
-        check_kd_fits(pool_cfg if pool_from is not None else dense_cfg, r_max,
-                      pool_man.groups if pool_from is not None else groups, device)
+        offload = kd_placement(pool_cfg if pool_from is not None else dense_cfg, r_max,
+                               pool_man.groups if pool_from is not None else groups, device, kd_offload)
     work = Path(work_dir) if work_dir is not None else out_dir.parent / f".{out_dir.name}.parse-work"
     check_work_dir(work)
     tok = Tokenizer.load(dense_dir)
@@ -905,9 +932,15 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
     R, b, report = train_routers(data, k, steps, train, work / "train_state.safetensors", progress)
     if kd_steps:  # the layer-local routers wait on the CPU while the KD stage holds its own copy
         R, b = {n: t.cpu() for n, t in R.items()}, {n: t.cpu() for n, t in b.items()}
-        dense_model, _ = load_checkpoint(dense_dir, device, torch.float32)
+        if offload:  # its layers stay on the host, streamed in for each forward (compress/offload.py)
+            if progress:
+                print("end-to-end (KD) stage: the dense teacher's layers and the AdamW moments wait in host memory",
+                      file=sys.stderr)
+            dense_model = host_teacher(load_checkpoint(dense_dir, "cpu", torch.float32)[0], device)
+        else:
+            dense_model, _ = load_checkpoint(dense_dir, device, torch.float32)
         R, b, kd_report = distill_routers(model, dense_model, data, k, R, b, kd_steps, train,
-                                          work / "kd_state.safetensors", progress)
+                                          work / "kd_state.safetensors", progress, host="cpu" if offload else None)
         report |= kd_report
         del dense_model
     freq = select_frequency(data, k, R, b)
@@ -1026,11 +1059,14 @@ def _ridge(x: torch.Tensor, a: torch.Tensor, Y: torch.Tensor, idx: torch.Tensor,
     return out
 
 
-def _descend(opt: torch.optim.Optimizer, sched, loss: torch.Tensor) -> float:
-    """One optimizer and schedule step on `loss`; returns its value."""
+def _descend(opt: torch.optim.Optimizer, sched, loss: torch.Tensor, host: str | None = None) -> float:
+    """One optimizer and schedule step on `loss`, the moments waiting on `host` if given; returns its value."""
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    opt.step()
+    if host is None:
+        opt.step()
+    else:
+        host_step(opt, host)
     sched.step()
     return loss.item()
 
@@ -1077,8 +1113,9 @@ def _load_done(path: Path, steps: int, projs: list[str], dev) -> tuple[dict, dic
     return best, {key: json.loads(v) for key, v in meta.items() if key not in ("done", "best")}
 
 
-def _load_state(path: Path, params, opt, sched, best) -> int:
-    """Restore routers, AdamW moments, schedule and best-so-far from `path`; returns the step reached."""
+def _load_state(path: Path, params, opt, sched, best, host: str | None = None) -> int:
+    """Restore routers, AdamW moments (on `host` if given, else with their parameters), schedule and best-so-far
+    from `path`; returns the step reached."""
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
         if "done" in meta:  # a result for another step count (`_load_done`): start over
@@ -1089,9 +1126,10 @@ def _load_state(path: Path, params, opt, sched, best) -> int:
             for n, p in params.items():
                 p.copy_(f.get_tensor(f"param.{n}"))
                 if f"opt.{n}.exp_avg" in keys:
+                    at = host or p.device
                     opt.state[p] = {"step": torch.tensor(float(step)),
-                                    "exp_avg": f.get_tensor(f"opt.{n}.exp_avg").to(p.device),
-                                    "exp_avg_sq": f.get_tensor(f"opt.{n}.exp_avg_sq").to(p.device)}
+                                    "exp_avg": f.get_tensor(f"opt.{n}.exp_avg").to(at),
+                                    "exp_avg_sq": f.get_tensor(f"opt.{n}.exp_avg_sq").to(at)}
         dev = next(iter(params.values())).device
         for n, (loss, origin) in json.loads(meta["best"]).items():
             best[n] = (f.get_tensor(f"best.{n}.R").to(dev), f.get_tensor(f"best.{n}.b").to(dev), loss, origin)

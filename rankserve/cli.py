@@ -427,7 +427,10 @@ def train_parse_cmd(
     steps: int = typer.Option(100, "--steps", help="layer-local STE steps after the closed-form warm start"),
     kd_steps: int = typer.Option(300, "--kd-steps", help="end-to-end STE steps against the dense logits (0 = "
                                  "none); the stage holds the pool, the dense model and every router with its AdamW "
-                                 "state on the device at once (115 GB at 7B: refused on a smaller GPU)"),
+                                 "state on the device at once (115 GB at 7B; see --kd-offload)"),
+    kd_offload: str = typer.Option("auto", "--kd-offload", help="the end-to-end stage's dense teacher and AdamW "
+                                   "moments wait in host memory: on, off, or auto (when the stage cannot fit the "
+                                   "CUDA device otherwise: 62 GB at 7B, not 115). The same result, slower steps"),
     calib_tokens: int = typer.Option(131072, "--calib-tokens", help="calibration tokens to read at most (pass "
                                      "`compress`'s value to make mask = first K equal that static checkpoint)"),
     calib_seq_len: Optional[int] = typer.Option(None, "--calib-seq-len", help="calibration window (default "
@@ -472,6 +475,8 @@ def train_parse_cmd(
         _fail(f"--group-size must be at least 1, got {group_size}")
     if svd_route not in SVD_ROUTES:
         _fail(f"unknown --svd-route {svd_route!r}; choose one of: {', '.join(SVD_ROUTES)}")
+    if kd_offload not in ("auto", "on", "off"):
+        _fail(f"unknown --kd-offload {kd_offload!r}; choose one of: auto, on, off")
     if steps < 0 or kd_steps < 0 or calib_tokens <= 0:
         _fail("--steps and --kd-steps must be >= 0, --calib-tokens positive")
     if router_chunk is not None and router_chunk < 0:
@@ -519,7 +524,8 @@ def train_parse_cmd(
                                           train_text=list(train_text), steps=steps, kd_steps=kd_steps, base=base,
                                           train=train, calib_tokens=calib_tokens, calib_seq_len=calib_seq_len,
                                           group_size=group_size, work_dir=work, progress=not as_json, device=dev,
-                                          pool_from=pool, resume=resume, svd_route=svd_route)
+                                          pool_from=pool, resume=resume, svd_route=svd_route,
+                                          kd_offload=kd_offload)
         except WorkDirMismatch:
             raise ValueError(f"work dir {work} holds an unfinished run with other arguments; pass --no-resume to "
                              f"discard it, or --work-dir to start elsewhere") from None

@@ -21,6 +21,8 @@ def test_cpu_against_itself(tmp_path):
     assert p["pool_all_rel_diff"] == 0 and p["pool_first_k_rel_diff"] == 0
     assert p["router_pick_overlap_mean"] == p["router_pick_overlap_min"] == 1.0 and p["prompts"] == 4
     assert p["seconds_cpu"] > 0 and p["seconds_device"] > 0
+    o = offline_device.compare_kd_offload("cpu", tmp_path, 2048)  # offloaded KD: the plain checkpoint, to the bit
+    assert o["equal"] and o["tensors"] > 0 and o["kd_kept"] != "start"  # its steps moved the routers
 
 
 def test_cli_refuses_bad_arguments(tmp_path, capsys):
@@ -39,3 +41,4 @@ def test_cli_writes_json(tmp_path):
     res = json.loads(out.read_text())
     assert res["device"] == "CPU"
     assert res["compress"]["model"] == "stories260K" and res["parse"]["model"] == "stories260K"
+    assert res["kd_offload"]["equal"] is True

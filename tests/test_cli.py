@@ -255,6 +255,8 @@ def test_train_parse_bad_inputs(tmp_path):
     assert_clean_error(rankserve("train-parse", BUNDLED, out, *PARSE_ARGS, "--base", "dobi"), "unknown PARSE base")
     assert_clean_error(rankserve("train-parse", BUNDLED, out, *PARSE_ARGS, "--router-chunk", "-1"),
                        "--router-chunk must be >= 0")
+    assert_clean_error(rankserve("train-parse", BUNDLED, out, *PARSE_ARGS, "--kd-offload", "yes"),
+                       "unknown --kd-offload 'yes'; choose one of: auto, on, off")
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")
     assert_clean_error(rankserve("train-parse", BUNDLED, out, *PARSE_ARGS, "--train-text", empty), "is empty")

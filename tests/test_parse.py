@@ -322,26 +322,77 @@ def test_kd_stage_resumes_and_keeps_only_its_result(tmp_path, monkeypatch):
 
 def test_a_kd_stage_that_cannot_fit_its_device_is_refused_before_any_work(tmp_path, monkeypatch):
     """kd_stage_bytes counts the pool and dense model (fp32) and every router parameter four times (value, gradient,
-    two AdamW moments); build_parse_checkpoint refuses a CUDA device with less memory than that before it writes
-    anything (the device's size is mocked: this machine has no GPU)."""
+    two AdamW moments), or offloaded the pool, the dense model less all but one layer, and every router parameter
+    twice; "auto" offloads only when the plain stage cannot fit, and build_parse_checkpoint refuses a CUDA device
+    too small for either before it writes anything (the device's size is mocked: this machine has no GPU)."""
     from types import SimpleNamespace
 
-    from rankserve.compress.parse import check_kd_fits, kd_stage_bytes
+    from rankserve.compress.parse import kd_placement, kd_stage_bytes
 
     cfg = TrainConfig(windows=24, window=32, prompt_len=16, collect_batch=8)
     model, dense, _, k, r_max, R, b = _kd_setup(cfg)
     routers = sum(R[n].numel() + b[n].numel() for n in k)
     held = 4 * sum(p.numel() for m in (model, dense) for p in m.parameters()) + 16 * routers
+    layers = sum(p.numel() for p in dense.layers[1:].parameters())
+    held_offload = held - 4 * layers - 8 * routers
     assert kd_stage_bytes(model.cfg, r_max, model.groups) == held
+    assert kd_stage_bytes(model.cfg, r_max, model.groups, offload=True) == held_offload < held
+
+    def memory(total: int) -> None:
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=total))
+
+    def place(offload: str) -> bool:
+        return kd_placement(model.cfg, r_max, model.groups, "cuda", offload)
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=held))
-    check_kd_fits(model.cfg, r_max, model.groups, "cuda")  # exactly enough: passes
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=held - 1))
-    check_kd_fits(model.cfg, r_max, model.groups, "cpu")  # not a CUDA device: nothing to check
-    with pytest.raises(ValueError, match=r"end-to-end \(KD\) stage holds at least .* pass --kd-steps 0"):
+    memory(held)  # exactly enough for the plain stage
+    assert (place("auto"), place("off"), place("on")) == (False, False, True)
+    memory(held - 1)
+    assert place("auto") and place("on")
+    with pytest.raises(ValueError, match=r"holds at least .* pass --kd-steps 0 .* --kd-offload on"):
+        place("off")
+    assert not kd_placement(model.cfg, r_max, model.groups, "cpu", "auto")  # not a CUDA device: nothing to check
+    assert kd_placement(model.cfg, r_max, model.groups, "cpu", "on")
+    memory(held_offload)
+    assert place("auto")
+    memory(held_offload - 1)
+    with pytest.raises(ValueError, match="kd offload must be one of auto, on, off"):
+        place("yes")
+    with pytest.raises(ValueError, match=r"\(KD\) stage holds at least .* one dense layer .* pass --kd-steps 0"):
         build_parse_checkpoint(STORIES, tmp_path / "out", keep=0.6, calib_text=CALIB, train_text=CALIB, steps=1,
                                kd_steps=1, train=cfg, calib_tokens=2048, progress=False, device="cuda")
     assert not any(tmp_path.iterdir())  # refused before the work dir: nothing written
+
+
+def test_the_offloaded_kd_stage_gives_the_plain_result_to_the_bit(tmp_path, monkeypatch):
+    """The dense teacher streamed a layer at a time (host_teacher) and AdamW stepped a parameter at a time with its
+    moments on the host (host_step) give the plain stage's routers and report exactly, interrupted and resumed too;
+    the teacher's layers hold their host tensors again after every forward."""
+    from rankserve.compress.offload import host_teacher
+    from rankserve.compress.parse import distill_routers
+
+    cfg = TrainConfig(windows=24, window=32, prompt_len=16, collect_batch=8, kd_eval=8, holdout=0.0, kd_batch=4,
+                      eval_every=1, save_every=2, warmup=1, kd_lr=1e-3)
+    model, dense, data, k, _, R, b = _kd_setup(cfg)
+    R1, b1, rep1 = distill_routers(model, dense, data, k, R, b, 4, cfg, tmp_path / "a.safetensors", progress=False)
+    assert rep1["kd_kept"] != "start"
+    teacher = host_teacher(load_checkpoint(STORIES, "cpu", torch.float32)[0], "cpu")
+    ptrs = [p.data_ptr() for p in teacher.layers.parameters()]
+    x = data.windows[:2]
+    assert torch.equal(teacher(x), dense(x))
+    assert [p.data_ptr() for p in teacher.layers.parameters()] == ptrs
+    with monkeypatch.context() as m:
+        _interrupt_after_first_save(m)
+        with pytest.raises(KeyboardInterrupt):
+            distill_routers(model, teacher, data, k, R, b, 4, cfg, tmp_path / "b.safetensors", progress=False,
+                            host="cpu")
+    R2, b2, rep2 = distill_routers(model, teacher, data, k, R, b, 4, cfg, tmp_path / "b.safetensors",
+                                   progress=False, host="cpu")
+    R3, b3, rep3 = distill_routers(model, teacher, data, k, R, b, 4, cfg, None, progress=False, host="cpu")
+    assert rep3 == rep1 and rep2["kd_heldout_kl"] == pytest.approx(rep1["kd_heldout_kl"], rel=1e-5)
+    assert all(torch.equal(R1[n], R3[n]) and torch.equal(b1[n], b3[n]) for n in k)
+    # resumed: as close as the plain stage's own resume (the test above)
+    assert all(torch.allclose(R1[n], R2[n], atol=1e-5) and torch.allclose(b1[n], b2[n], atol=1e-5) for n in k)
 
 
 def test_router_data_moves_whole():
