@@ -936,7 +936,8 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
             if progress:
                 print("end-to-end (KD) stage: the dense teacher's layers and the AdamW moments wait in host memory",
                       file=sys.stderr)
-            dense_model = host_teacher(load_checkpoint(dense_dir, "cpu", torch.float32)[0], device)
+            dense_model = host_teacher(load_checkpoint(dense_dir, "cpu", _uniform_dtype(dense_dir))[0], device,
+                                       torch.float32)
         else:
             dense_model, _ = load_checkpoint(dense_dir, device, torch.float32)
         R, b, kd_report = distill_routers(model, dense_model, data, k, R, b, kd_steps, train,
@@ -1023,6 +1024,15 @@ def stored_dtype(ckpt: Path) -> torch.dtype:
     with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
         stored = f.get_slice("embed.weight").get_dtype()
     return {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(stored, torch.float32)
+
+
+def _uniform_dtype(ckpt: Path) -> torch.dtype:
+    """The one dtype every tensor of a checkpoint is stored in, float32 where they differ: held in it, the weights
+    cast to fp32 are exactly those of a load in fp32."""
+    names = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+        stored = {f.get_slice(n).get_dtype() for n in f.keys()}
+    return names[stored.pop()] if len(stored) == 1 and next(iter(stored)) in names else torch.float32
 
 
 def _key(proj: str) -> str:

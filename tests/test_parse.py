@@ -381,6 +381,12 @@ def test_the_offloaded_kd_stage_gives_the_plain_result_to_the_bit(tmp_path, monk
     x = data.windows[:2]
     assert torch.equal(teacher(x), dense(x))
     assert [p.data_ptr() for p in teacher.layers.parameters()] == ptrs
+    # weights stored in bf16 wait in bf16 and are cast for each forward: the fp32 cast model's logits, exactly
+    cast = load_checkpoint(STORIES, "cpu", torch.bfloat16)[0]
+    half = host_teacher(load_checkpoint(STORIES, "cpu", torch.bfloat16)[0], "cpu", torch.float32)
+    assert torch.equal(half(x), cast.float()(x))
+    assert {p.dtype for p in half.layers.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16, torch.float32}  # embedding, norm, head cast
     with monkeypatch.context() as m:
         _interrupt_after_first_save(m)
         with pytest.raises(KeyboardInterrupt):
