@@ -10,9 +10,9 @@ checkpoint on both, and how long each takes.
    each device. Compared: the pool's logits with every component on and with the static first-K mask (the
    factors, as 1.), and the subsets the two checkpoints' routers pick for a few prompts (overlap of the K picks per
    matrix; the routers are trained on each device's own factors and statistics, so they agree closely, not exactly).
-3. kd offload: the end-to-end stage of 2.'s build on `--device` run again from the same work dir (pool, router data
-   and layer-local routers), plain and with `--kd-offload on` (dense teacher and AdamW moments in host memory): the two
-   checkpoints' tensors, compared bit for bit.
+3. kd offload: a build like 2.'s on `--device` (10 KD steps that move the routers), its end-to-end stage run twice
+   more from the same work dir (pool, router data and layer-local routers), plain and with `--kd-offload on` (dense
+   teacher and AdamW moments in host memory): the two checkpoints' tensors, compared bit for bit.
 
     python -m rankserve.bench.offline_device --out bench/results/offline-device-h200.json       # GPU
     python -m rankserve.bench.offline_device --device cpu --out /tmp/od.json --calib-tokens 4096  # CPU against itself
