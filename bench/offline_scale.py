@@ -37,7 +37,7 @@ from rankserve.bench.decode import build_model, write_json
 from rankserve.bench.offline_device import usable
 from rankserve.compress.calibrate import calibrate
 from rankserve.compress.factorize import SVD_ROUTES, compress_model, resolve_route
-from rankserve.compress.parse import TrainConfig, build_parse_checkpoint
+from rankserve.compress.parse import KD_OFFLOAD, TrainConfig, build_parse_checkpoint
 from rankserve.workers.checkpoint import Manifest, load_checkpoint, read_config, save_checkpoint
 from rankserve.workers.config import PRESETS, preset
 from rankserve.workers.tokenizer import Tokenizer
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parse-windows", type=int, default=64)
     ap.add_argument("--parse-steps", type=int, default=10)
     ap.add_argument("--parse-kd-steps", type=int, default=5)
-    ap.add_argument("--kd-offload", default="auto", choices=("auto", "on", "off"),
+    ap.add_argument("--kd-offload", default="auto", choices=KD_OFFLOAD,
                     help="the KD stage's dense teacher and AdamW moments in host memory (train-parse --kd-offload)")
     ap.add_argument("--router-chunk", type=int, default=0, help="matrices the parse stage's router training holds "
                     "at a time (0 = all)")

@@ -64,8 +64,8 @@ from tqdm import tqdm
 
 from rankserve.compress.factorize import plan_factors, stream_factors
 from rankserve.compress.offload import host_step, host_teacher
-from rankserve.workers.checkpoint import (CheckpointError, Manifest, count_params, check_checkpoint, load_checkpoint,
-                                          save_checkpoint)
+from rankserve.workers.checkpoint import (FLOAT_DTYPES, CheckpointError, Manifest, count_params, check_checkpoint,
+                                          load_checkpoint, save_checkpoint)
 from rankserve.workers.model import Transformer
 from rankserve.workers.parse import router_input
 from rankserve.workers.tokenizer import Tokenizer
@@ -583,9 +583,9 @@ def kd_stage_bytes(cfg, r_max: dict[str, int], groups: dict[str, list[str]], off
     dense model in fp32, and every router parameter with its gradient and two AdamW moments (fp32). `offload`
     (compress/offload.py): the dense model's layers and the moments wait on the host, so the device holds the pool,
     the dense model less all but one of its layers, and every router parameter twice (value, gradient)."""
-    ranks = {n: r_max.get(n) for n in Transformer(cfg, {}, device="meta").projections()}
-    pool = sum(p.numel() for p in Transformer(cfg, ranks, groups, device="meta").parameters())
     dense_model = Transformer(cfg, {}, device="meta")
+    ranks = {n: r_max.get(n) for n in dense_model.projections()}
+    pool = sum(p.numel() for p in Transformer(cfg, ranks, groups, device="meta").parameters())
     dense = sum(p.numel() for p in dense_model.parameters())
     if not offload:
         return 4 * (pool + dense) + 16 * _router_params(cfg, r_max)
@@ -1027,12 +1027,13 @@ def stored_dtype(ckpt: Path) -> torch.dtype:
 
 
 def _uniform_dtype(ckpt: Path) -> torch.dtype:
-    """The one dtype every tensor of a checkpoint is stored in, float32 where they differ: held in it, the weights
-    cast to fp32 are exactly those of a load in fp32."""
-    names = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    """The one 16- or 32-bit float dtype every tensor of a checkpoint is stored in, else float32: held in it, the
+    weights cast to fp32 are exactly those of a load in fp32."""
     with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
         stored = {f.get_slice(n).get_dtype() for n in f.keys()}
-    return names[stored.pop()] if len(stored) == 1 and next(iter(stored)) in names else torch.float32
+    if len(stored) != 1 or "F64" in stored:
+        return torch.float32
+    return FLOAT_DTYPES.get(stored.pop(), torch.float32)
 
 
 def _key(proj: str) -> str:
