@@ -26,14 +26,17 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
 from rankserve.bench.parse import WIKI_VALID, _windows, test_windows
-from rankserve.bench.parse_oracle import score, summarize
+from rankserve.bench.parse_oracle import summarize
+from rankserve.bench.parse_pertoken import score_configs
 from rankserve.compress.parse import BASES, build_pool
 from rankserve.workers.checkpoint import load_checkpoint
 from rankserve.workers.model import FactorizedLinear, Transformer
@@ -100,17 +103,23 @@ def fixed_masks(sens: dict[str, dict[str, torch.Tensor]], k: dict[str, int], r_m
     return masks
 
 
+@contextmanager
+def applied(pool: Transformer, masks: dict[str, torch.Tensor]) -> Iterator[None]:
+    """The pool with one fixed subset {proj: (r_max,) 0/1} for every row, as a (1, r_max) mask that broadcasts."""
+    lins = pool.projections()
+    try:
+        for n, m in masks.items():
+            lins[n].mask = m[None]
+        yield
+    finally:
+        for n in masks:
+            lins[n].mask = None
+
+
 def evaluate(pool: Transformer, dense: Transformer, windows: torch.Tensor, configs: dict[str, dict[str, torch.Tensor]],
              prompt_len: int, batch: int, desc: str) -> dict[str, dict]:
-    per = {c: {m: [] for m in ("nll", "agree", "kl")} for c in configs}
-    for i in tqdm(range(0, len(windows), batch), desc=desc, unit="batch"):
-        x = windows[i:i + batch]
-        with torch.no_grad():
-            ref = F.log_softmax(dense(x), -1)[:, prompt_len - 1:-1]
-        for c, masks in configs.items():
-            for m, v in score(pool, {n: t.expand(len(x), -1).clone() for n, t in masks.items()}, x, ref,
-                              prompt_len).items():
-                per[c][m] += v
+    per = score_configs(pool, dense, windows, list(configs), lambda c: applied(pool, configs[c]), batch, desc,
+                        prompt_len)
     return summarize(per, windows.shape[1] - prompt_len)
 
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from rankserve.bench import parse_fixed
 from rankserve.bench.parse_fixed import fixed_masks, sensitivities
+from rankserve.bench.parse_oracle import score, summarize
 from rankserve.compress.parse import build_pool
 from rankserve.workers.checkpoint import load_checkpoint
 
@@ -84,3 +85,18 @@ def test_cli_refuses_bad_input(tmp_path, capsys):
     assert parse_fixed.main(["--calib", str(CALIB), "--swaps", "0"]) == 2
     assert parse_fixed.main(["--calib", str(CALIB), "--model", str(STORIES), "--windows", "100000"]) == 2
     assert "windows of 256" in capsys.readouterr().err
+
+
+def test_evaluate_scores_each_subset_as_the_oracle_scores_its_masks(setup):
+    pool, dense, k, r_max, x = setup
+    sens = sensitivities(pool, dense, k, x, batch=2)
+    configs = {c: fixed_masks(sens, k, r_max, c) for c in ("static", "fisher")}
+    got = parse_fixed.evaluate(pool, dense, x, configs, 4, 2, "test")  # batches of 2 and 1 (broadcast mask)
+    with torch.no_grad():
+        ref = F.log_softmax(dense(x), -1)[:, 3:-1]
+    for c, masks in configs.items():
+        per = score(pool, {n: m.expand(len(x), -1).clone() for n, m in masks.items()}, x, ref, 4)
+        want = summarize({c: per, "static": per}, x.shape[1] - 4)[c]
+        assert got[c]["perplexity"] == pytest.approx(want["perplexity"], rel=1e-5)
+        assert got[c]["top1_agreement"] == want["top1_agreement"]
+    assert all(lin.mask is None for lin in pool.projections().values())
