@@ -89,7 +89,7 @@ def fixed_masks(sens: dict[str, dict[str, torch.Tensor]], k: dict[str, int], r_m
     masks = {}
     for n in k:
         m = (torch.arange(r_max[n]) < k[n]).float()
-        if config in ("energy", "fisher", "first-order"):
+        if config in SCORES:
             s = -sens["grad"][n] if config == "first-order" else sens[config][n]
             m = torch.zeros(r_max[n])
             m[s.topk(k[n]).indices] = 1.0
