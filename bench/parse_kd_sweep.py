@@ -24,14 +24,14 @@ import json
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from rankserve.bench.parse_paired import interval_cells, paired_scores
 from rankserve.compress.fidelity import parse_masks
-from rankserve.compress.parse import (TrainConfig, build_pool, collect, distill_routers, sample_windows,
+from rankserve.compress.parse import (RouterData, TrainConfig, build_pool, collect, distill_routers, sample_windows,
                                       stored_dtype, train_routers)
 from rankserve.workers.checkpoint import Manifest, load_checkpoint, save_checkpoint
 from rankserve.workers.model import Transformer
@@ -81,12 +81,24 @@ def dev_scores(model: Transformer, dense: Transformer, routers: Routers, windows
     return out
 
 
-def sweep(dense_dir: Path, base: str, calib_text: Path, train_text: Path, test_text: Path, variants: list[str],
-          device: str, keep: float = 0.6, train: TrainConfig | None = None, steps: int = 100, seq_len: int = 256,
-          max_tokens: int = 0, log=print) -> dict:
-    specs = [(v, parse_variant(v)) for v in variants]
-    train = train or TrainConfig()
-    t0 = time.perf_counter()
+@dataclass
+class Start:
+    """What `build_parse_checkpoint` holds before its KD stage: the pool (fp32, read back from the dense checkpoint's
+    dtype), the dense model, the router data and the layer-local routers (raw-input form)."""
+    model: Transformer
+    dense: Transformer
+    data: RouterData
+    k: dict[str, int]
+    r_max: dict[str, int]
+    R: dict[str, torch.Tensor]
+    b: dict[str, torch.Tensor]
+    report: dict
+    tok: Tokenizer
+
+
+def shared_start(dense_dir: Path, base: str, calib_text: Path, train_text: Path, device: str, keep: float,
+                 train: TrainConfig, steps: int) -> Start:
+    """The KD stage's start, built as `build_parse_checkpoint` builds it with `train` and `steps` layer-local steps."""
     model, k, r_max = build_pool(dense_dir, base, keep, calib_text, progress=False, device=device)
     with tempfile.TemporaryDirectory() as tmp:  # the pool as served: the dense checkpoint's dtype, read back
         save_checkpoint(Path(tmp) / "pool", model, Manifest(family=base, ranks={}, source=dense_dir.name,
@@ -101,6 +113,18 @@ def sweep(dense_dir: Path, base: str, calib_text: Path, train_text: Path, test_t
                    progress=False, loss_from=train.loss_from).to(device)
     del dense_w
     R0, b0, report0 = train_routers(data, k, steps, train, None, progress=False)
+    return Start(model, dense_model, data, k, r_max, R0, b0, report0, tok)
+
+
+def sweep(dense_dir: Path, base: str, calib_text: Path, train_text: Path, test_text: Path, variants: list[str],
+          device: str, keep: float = 0.6, train: TrainConfig | None = None, steps: int = 100, seq_len: int = 256,
+          max_tokens: int = 0, log=print) -> dict:
+    specs = [(v, parse_variant(v)) for v in variants]
+    train = train or TrainConfig()
+    t0 = time.perf_counter()
+    st = shared_start(dense_dir, base, calib_text, train_text, device, keep, train, steps)
+    model, dense_model, data, k, r_max, tok = st.model, st.dense, st.data, st.k, st.r_max, st.tok
+    R0, b0, report0 = st.R, st.b, st.report
     n_val = int(round(data.n * train.holdout))
     dev = data.windows[data.n - n_val + train.kd_eval:]  # held out, and not used for early stopping
     if not len(dev):
