@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from rankserve.bench.parse_kd_sweep import Start, shared_start
-from rankserve.compress.parse import TrainConfig, ste_topk
+from rankserve.compress.parse import TrainConfig, _hard, ste_topk
 from rankserve.workers.parse import router_input
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -86,10 +86,9 @@ def trace(st: Start, train: TrainConfig, opt_name: str, lr: float, temperature: 
         with torch.no_grad():
             for i in range(0, len(va), train.kd_batch):
                 idx = va[i:i + train.kd_batch]
-                for n in projs:
-                    m = torch.zeros(len(idx), lins[n].rank).scatter_(-1, scores(n, idx).topk(k[n], -1).indices, 1.0)
-                    lins[n].mask = m
-                    chosen[n].append(m.bool())
+                for n in projs:  # the hard masks the stage's own held-out pass uses
+                    lins[n].mask = _hard(scores(n, idx), k[n])
+                    chosen[n].append(lins[n].mask.bool())
                 tot += float(kl(idx)) * len(idx)
         return tot / len(va), {n: torch.cat(c) for n, c in chosen.items()}
 

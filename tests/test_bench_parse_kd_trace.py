@@ -12,7 +12,7 @@ import pytest
 
 from rankserve.bench.parse_kd_sweep import shared_start
 from rankserve.bench.parse_kd_trace import main, parse_variant, trace
-from rankserve.compress.parse import TrainConfig
+from rankserve.compress.parse import TrainConfig, distill_routers
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "models" / "stories260K"
@@ -41,6 +41,14 @@ def test_no_step_swaps_nothing(start):
         assert all(r["swapped"] == 0.0 and r["heldout_kl"] == rows[0]["heldout_kl"] for r in rows)
         assert rows[0]["heldout_kl"] > 0 and rows[0]["train_kl"] is None and rows[1]["train_kl"] > 0
     assert all(lin.mask is None for lin in start.model.projections().values())
+
+
+def test_start_is_the_kd_stages_start(start):
+    """The trace's step-0 held-out KL is the figure the KD stage itself starts its early stopping from."""
+    rows = trace(start, TRAIN, "adamw", 0.0, 1.0, 1, every=1)
+    _, _, rep = distill_routers(start.model, start.dense, start.data, start.k, start.R, start.b, 1, TRAIN, None,
+                                progress=False)
+    assert rows[0]["heldout_kl"] == pytest.approx(rep["kd_heldout_kl_start"], rel=1e-6)
 
 
 def test_moving_routers_swap_selections(start):
