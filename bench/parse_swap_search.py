@@ -268,8 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, type=Path, help="writes OUT (JSON)")
     a = ap.parse_args(argv)
     try:
-        cfg = SearchConfig(batch=a.batch, confirm=a.confirm, candidates=a.candidates, share=a.share, sweeps=a.sweeps, margin=a.margin,
-                           loss=a.loss)
+        cfg = SearchConfig(batch=a.batch, confirm=a.confirm, candidates=a.candidates, share=a.share,
+                           sweeps=a.sweeps, margin=a.margin, loss=a.loss)
         train = TrainConfig(windows=a.windows, window=a.window, prompt_len=a.prompt_len, kd_eval=a.kd_eval,
                             loss_scope=a.loss_scope)
     except ValueError as e:
