@@ -17,8 +17,8 @@ that helps only the windows it was chosen on is noise). Every move tried is reco
 each batch it was scored on. Only layers from the move's own on run again: the residual stream entering each layer
 is cached for the moves kept so far.
 
-After each sweep it records the held-out KL on the first `kd_eval` held-out windows (the KD stage's early-stopping
-figure) and keeps the best sweep's biases; then it scores route vs static for the start and for the search on the
+After each sweep it records the same loss on the first `kd_eval` held-out windows (for the KL, the KD stage's
+early-stopping figure) and keeps the best sweep's biases; then it scores route vs static for the start and for the search on the
 dev windows (the held-out windows after those) and on the evaluation text (`paired_scores`, fp32, CPU); when no
 sweep beat the start, the search's routers are the start's and are not scored again.
 """
@@ -154,15 +154,18 @@ def search(st: Start, train: TrainConfig, cfg: SearchConfig, log=print) -> tuple
                 x = data.windows[rows]
                 batches.append(_Batch(rows, x, torch.log_softmax(st.dense(x)[:, first:], -1)))
 
+    def loss_of(ref: torch.Tensor, lp: torch.Tensor) -> float:
+        """The search's loss of log-probabilities lp against the dense model's ref, both (B, T, V)."""
+        if cfg.loss == "kl":
+            return float((ref.exp() * (ref - lp)).sum(-1).mean())
+        return float(-lp.gather(-1, ref.argmax(-1, keepdim=True)).mean())
+
     def loss_on(bt: _Batch, layer: int, scores: dict[str, torch.Tensor]) -> float:
         """The batch loss with hard masks from `scores`, running layers `layer`.. on the cached stream."""
         for i in range(layer, n_layers):
             for n in by_layer[i]:
                 lins[n].mask = _hard(scores[n][bt.rows], k[n])
-        lp = head_logprobs(model, layers_from(model, bt.h, layer, n_layers), first)
-        if cfg.loss == "kl":
-            return float((bt.ref.exp() * (bt.ref - lp)).sum(-1).mean())
-        return float(-lp.gather(-1, bt.ref.argmax(-1, keepdim=True)).mean())
+        return loss_of(bt.ref, head_logprobs(model, layers_from(model, bt.h, layer, n_layers), first))
 
     def heldout() -> float:
         tot = 0.0
@@ -175,15 +178,15 @@ def search(st: Start, train: TrainConfig, cfg: SearchConfig, log=print) -> tuple
                 xv = data.windows[va[sl]]
                 r = torch.log_softmax(st.dense(xv)[:, first:], -1)
                 lp = torch.log_softmax(model(xv)[:, first:], -1)
-                tot += float((r.exp() * (r - lp)).sum(-1).mean()) * len(xv)
+                tot += loss_of(r, lp) * len(xv)
         return tot / len(va)
 
     best_b = {n: v.clone() for n, v in b.items()}
     try:
         h0 = heldout()
-        rec = dict(config=asdict(cfg), heldout_kl=[h0], sweeps=[], best_sweep=0)
+        rec = dict(config=asdict(cfg), heldout=[h0], sweeps=[], best_sweep=0)
         best = h0
-        log(f"start: held-out KL {h0:.4f}")
+        log(f"start: held-out {cfg.loss} {h0:.4f}")
         for sweep in range(cfg.sweeps):
             t = time.perf_counter()
             kept, trials = [], []  # trials: [proj, component, promote, relative change on each batch scored]
@@ -222,13 +225,13 @@ def search(st: Start, train: TrainConfig, cfg: SearchConfig, log=print) -> tuple
                             lins[n].mask = _hard(s_tr[n][bt.rows], k[n])
                         bt.h = layers_from(model, bt.h, layer, layer + 1)
             hk = heldout()
-            rec["heldout_kl"].append(hk)
+            rec["heldout"].append(hk)
             rec["sweeps"].append(dict(batch_loss_start=start_loss, batch_loss_end=[bt.loss for bt in batches],
                                       tried=len(trials), kept=kept, trials=trials,
                                       seconds=round(time.perf_counter() - t, 1)))
             log(f"sweep {sweep + 1}: batch {cfg.loss} {start_loss[0]:.4f} -> {batches[0].loss:.4f}"
                 + (f" (confirm {start_loss[1]:.4f} -> {batches[1].loss:.4f})" if len(batches) > 1 else "")
-                + f", {len(kept)} of {len(trials)} moves kept, held-out KL {hk:.4f} ({time.perf_counter() - t:.0f} s)")
+                + f", {len(kept)} of {len(trials)} moves kept, held-out {cfg.loss} {hk:.4f} ({time.perf_counter() - t:.0f} s)")
             if hk < best:
                 best, rec["best_sweep"] = hk, sweep + 1
                 best_b = {n: v.clone() for n, v in b.items()}
@@ -296,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     res["rows"] = []
     for name, bias in (("start", st.b), ("search", b)):
         if name == "search" and res["search"]["best_sweep"] == 0:
-            print("the search kept the start (no sweep lowered the held-out KL): not scored again", flush=True)
+            print("the search kept the start (no sweep lowered the held-out loss): not scored again", flush=True)
             break
         t = time.perf_counter()
         routers = Routers(R=st.R, b=bias, k=st.k, r_max=st.r_max, head={}, perm=perm)

@@ -102,7 +102,7 @@ def test_search_keeps_only_moves_that_lower_the_batch_loss(start):
         end[m["proj"]][m["component"]] += m["delta"]
     assert batch_loss(start, b0, cfg) == pytest.approx(sw["batch_loss_start"][0], rel=1e-5)
     assert batch_loss(start, end, cfg) == pytest.approx(sw["batch_loss_end"][0], rel=1e-5)  # the cache is exact
-    assert len(rec["heldout_kl"]) == 2
+    assert len(rec["heldout"]) == 2
     chosen = end if rec["best_sweep"] == 1 else b0
     assert all(torch.equal(best[n], chosen[n]) for n in b0)
     assert all(torch.equal(start.b[n], b0[n]) for n in b0)  # the start is not changed
@@ -130,7 +130,7 @@ def test_confirmed_moves_lower_both_batches(start):
 def test_nothing_kept_returns_the_start(start):
     best, rec = search(start, TRAIN, SearchConfig(batch=4, candidates=1, sweeps=1, margin=1.0), log=lambda s: None)
     assert rec["sweeps"][0]["kept"] == [] and rec["best_sweep"] == 0
-    assert rec["heldout_kl"][0] == rec["heldout_kl"][1]
+    assert rec["heldout"][0] == rec["heldout"][1]
     assert all(torch.equal(best[n], start.b[n]) for n in best)
 
 
