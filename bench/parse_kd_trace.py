@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from rankserve.bench.decode import write_json
 from rankserve.bench.parse_kd_sweep import Start, shared_start
 from rankserve.compress.parse import TrainConfig, _hard, ste_topk
 from rankserve.workers.parse import router_input
@@ -165,9 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                                     seconds=round(time.perf_counter() - t, 1)))
         print(json.dumps({"variant": name, "trace": [(r["step"], round(r["heldout_kl"], 4), round(r["swapped"], 4))
                                                      for r in rows]}), flush=True)
-        tmp = a.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(res, indent=1) + "\n")
-        tmp.replace(a.out)
+        write_json(a.out, res)  # after every row: a stopped run keeps what it scored
     return 0
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from rankserve.bench.decode import write_json
 from rankserve.bench.parse_kd_sweep import Start, dev_scores, shared_start
 from rankserve.bench.parse_paired import paired_scores
 from rankserve.compress.parse import TrainConfig, _hard
@@ -310,9 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         res["rows"].append(row)
         print(json.dumps({"variant": name, "dev": row["dev"] and row["dev"]["route_minus_static"],
                           "test": row["test"]["route_minus_static"]}), flush=True)
-        tmp = a.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(res, indent=1) + "\n")
-        tmp.replace(a.out)
+        write_json(a.out, res)  # after every row: a stopped run keeps what it scored
     return 0
 
 
