@@ -2,7 +2,8 @@
 gradient (which session 46 found proposes swaps that raise the loss, `parse_kd_trace`).
 
     python -m rankserve.bench.parse_swap_search --base svd-llm --calib-text valid.txt --train-text valid.txt \
-        --test wiki.test.raw --windows 1024 --window 256 --loss-scope continuation --out parse-swap-svd-llm.json
+        --test wiki.test.raw --windows 1024 --window 256 --loss-scope continuation \
+        --batch 128 --confirm 128 --candidates 1 --sweeps 1 --out parse-swap-svd-llm.json
 
 The start is `parse_kd_sweep.shared_start` (the pool, the router data and the layer-local routers, as
 `build_parse_checkpoint` builds them before its KD stage). A move shifts one router bias b_j of one matrix: a
@@ -18,9 +19,9 @@ each batch it was scored on. Only layers from the move's own on run again: the r
 is cached for the moves kept so far.
 
 After each sweep it records the same loss on the first `kd_eval` held-out windows (for the KL, the KD stage's
-early-stopping figure) and keeps the best sweep's biases; then it scores route vs static for the start and for the search on the
-dev windows (the held-out windows after those) and on the evaluation text (`paired_scores`, fp32, CPU); when no
-sweep beat the start, the search's routers are the start's and are not scored again.
+early-stopping figure) and keeps the best sweep's biases; then it scores route vs static, for the start and for the
+search, on the dev windows (the held-out windows after those) and on the evaluation text (`paired_scores`, fp32,
+CPU); when no sweep beat the start, the search's routers are the start's and are not scored again.
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ def move_delta(s: torch.Tensor, j: int, k: int, share: float, promote: bool) -> 
     windows that leave it out (j enters where s_j + δ exceeds the K-th score); a demotion drops it from that share of
     the windows that select it (j leaves where s_j − δ falls below the (K+1)-th). None when no window is on that side.
     """
+    if k >= s.shape[-1]:  # every component is selected: nothing to swap with
+        return None
     top = s.topk(k + 1, dim=-1).values  # (P, K+1)
     inside = (s[:, j:j + 1] >= top[:, k - 1:k]).squeeze(1)  # (P,) j among the top K
     if promote:
@@ -232,7 +235,8 @@ def search(st: Start, train: TrainConfig, cfg: SearchConfig, log=print) -> tuple
                                       seconds=round(time.perf_counter() - t, 1)))
             log(f"sweep {sweep + 1}: batch {cfg.loss} {start_loss[0]:.4f} -> {batches[0].loss:.4f}"
                 + (f" (confirm {start_loss[1]:.4f} -> {batches[1].loss:.4f})" if len(batches) > 1 else "")
-                + f", {len(kept)} of {len(trials)} moves kept, held-out {cfg.loss} {hk:.4f} ({time.perf_counter() - t:.0f} s)")
+                + f", {len(kept)} of {len(trials)} moves kept, held-out {cfg.loss} {hk:.4f} "
+                f"({time.perf_counter() - t:.0f} s)")
             if hk < best:
                 best, rec["best_sweep"] = hk, sweep + 1
                 best_b = {n: v.clone() for n, v in b.items()}

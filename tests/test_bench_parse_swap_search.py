@@ -42,6 +42,7 @@ def test_move_flips_its_share_of_windows(promote, share):
         assert flipped[side].float().mean() == pytest.approx(share, abs=0.02)
     assert move_delta(torch.ones(3, 4) * torch.arange(4.0), 3, 2, 0.5, promote=True) is None  # always selected
     assert move_delta(torch.ones(3, 4) * torch.arange(4.0), 0, 2, 0.5, promote=False) is None  # never selected
+    assert move_delta(torch.randn(3, 4), 0, 4, 0.5, promote=True) is None  # K = r_max: no component left out
 
 
 def test_contested_components_come_first():
