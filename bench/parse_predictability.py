@@ -1,4 +1,4 @@
-"""How much of the per-window oracle's layer-local gain can any linear map of the prompt predict?
+"""How much of the per-window oracle's layer-local gain can a predictor from the prompt reach?
 
     python -m rankserve.bench.parse_predictability --base svd-llm --calib-text valid.txt --train-text valid.txt \
         --windows 1024 --window 256 --out parse-predictability-svd-llm.json
@@ -6,7 +6,7 @@
 PARSE's router for a matrix scores its r_max components from the prompt and keeps the top K. The best any router
 can do on a window is the oracle's top K by that window's own gains −a_i/Y on the positions it scores (exact for
 orthogonal U such as svd-llm's; for Basis Sharing it ignores the cross term between members). This bench asks how
-much of the gap between static truncation (the first K) and that oracle is within a linear predictor's reach,
+much of the gap between static truncation (the first K) and that oracle is within a predictor's reach,
 with the routers' own training out of the picture: per matrix, ridge regressions of the windows' continuation
 gains G (P, r_max) on features of the prompt, cross-validated over `folds` folds of the windows (each window scored
 by a fit on the other folds), the top K of the prediction kept. Features:
@@ -15,13 +15,15 @@ by a fit on the other folds), the top K of the prediction kept. Features:
     gp      the prompt's own gains (−a/Y over the prompt's positions): what the prompt alone says it needs
     x+gp    both
 
-Rows besides: `mean_gain` (one fixed order for every window, the training folds' mean gains: what a bias alone
-holds) and `prompt_gain` (the prompt's own top K, no regression). Each predictor is also fitted on a random
-`--fraction` of its training folds, to show whether more text would help. The ridge strength is the one of
-`--ridges` with the lowest cross-validated loss, per matrix and predictor (a choice made on the scored windows:
-an optimistic figure, so an upper bound for ridge regression on these features). The loss is the mean relative
-reconstruction error of `RouterData.loss` over the matrices; `vs_static` = row / static − 1, and where the oracle
-is a bound (no cross term) `share_of_oracle_gap` = (static − row) / (static − oracle).
+`x nearest` averages the gains of the prompt's nearest training windows by cosine of x (the best of the
+`--neighbours` counts): a non-linear predictor, as rank retrieval is. Rows besides: `mean_gain` (one fixed order for
+every window, the training folds' mean gains: what a bias alone holds) and `prompt_gain` (the prompt's own top K, no
+regression). Each ridge predictor is also fitted on a random `--fraction` of its training folds, to show whether
+more text would help. The ridge strength (and the neighbour count) is the one with the lowest cross-validated loss,
+per matrix and predictor (a choice made on the scored windows: an optimistic figure, so an upper bound for these
+predictors on these features; no `--ridges` flag, `RIDGES` below). The loss is the mean relative reconstruction
+error of `RouterData.loss` over the matrices; `vs_static` = row / static − 1, and where the oracle is a bound (no
+cross term) `share_of_oracle_gap` = (static − row) / (static − oracle).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from rankserve.workers.parse import router_input
 from rankserve.workers.tokenizer import Tokenizer
 
 RIDGES = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)  # λ × training windows
+NEIGHBOURS = (4, 16, 64, 256)  # training windows a nearest-neighbour prediction averages
 
 
 def fold_predict(F: torch.Tensor, G: torch.Tensor, folds: torch.Tensor, lam: float,
@@ -71,9 +74,24 @@ def fold_mean(G: torch.Tensor, folds: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def fold_neighbours(F: torch.Tensor, G: torch.Tensor, folds: torch.Tensor, n: int) -> torch.Tensor:
+    """Each fold's rows scored by the mean gains (P, r) of their `n` nearest rows of the other folds, by cosine of
+    the features F (P, d) standardized on those rows: a non-linear predictor, as rank retrieval is."""
+    out = torch.empty_like(G)
+    for f in folds.unique():
+        test = folds == f
+        X = F[~test]
+        mu, sd = X.mean(0), X.std(0).clamp_min(1e-8)
+        A = torch.nn.functional.normalize((F[test] - mu) / sd, dim=-1)  # (t, d)
+        B = torch.nn.functional.normalize((X - mu) / sd, dim=-1)  # (n_train, d)
+        near = (A @ B.T).topk(min(n, len(B)), dim=-1).indices  # (t, n)
+        out[test] = G[~test][near].mean(1)
+    return out
+
+
 def predictability(cont: RouterData, prompt: RouterData, k: dict[str, int], n_folds: int = 5,
                    fraction: float = 0.5, ridges: tuple[float, ...] = RIDGES, seed: int = 0,
-                   progress: bool = True) -> dict:
+                   neighbours: tuple[int, ...] = NEIGHBOURS, progress: bool = True) -> dict:
     """Per matrix and mean over matrices: the loss of each predictor (module docstring). `cont` has the statistics
     of the positions scored, `prompt` those of the prompt's own positions, over the same windows in the same order
     (its x is not used)."""
@@ -104,13 +122,15 @@ def predictability(cont: RouterData, prompt: RouterData, k: dict[str, int], n_fo
         for name, F in (("x", x), ("gp", Gp), ("x+gp", torch.cat([x, Gp], 1))):
             row[name] = min(loss(fold_predict(F, G, folds, lam)) for lam in ridges)
             row[f"{name} @{fraction:g}"] = min(loss(fold_predict(F, G, folds, lam, use)) for lam in ridges)
+        row["x nearest"] = min(loss(fold_neighbours(x, G, folds, m)) for m in neighbours)
         rows[n] = row
     names = list(next(iter(rows.values())))
     mean = {m: sum(r[m] for r in rows.values()) / len(rows) for m in names}
     gap = mean["static"] - mean["oracle"]
     bound = not cont.zs and gap > 0  # with a cross term (Basis Sharing) the oracle is no bound: no share of it
     share = {m: (mean["static"] - v) / gap for m, v in mean.items()} if bound else None
-    return {"windows": P, "folds": n_folds, "fraction": fraction, "ridges": list(ridges), "mean": mean,
+    return {"windows": P, "folds": n_folds, "fraction": fraction, "ridges": list(ridges),
+            "neighbours": list(neighbours), "mean": mean,
             "vs_static": {m: v / mean["static"] - 1 for m, v in mean.items()}, "share_of_oracle_gap": share,
             "matrices": rows}
 
@@ -128,12 +148,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=64, help="the prompt; the continuation after it is scored")
     ap.add_argument("--folds", type=int, default=5)
     ap.add_argument("--fraction", type=float, default=0.5, help="share of the training folds a reduced fit uses")
+    ap.add_argument("--neighbours", type=int, nargs="+", default=list(NEIGHBOURS),
+                    help="training windows a nearest-neighbour prediction averages (the best count is reported)")
     ap.add_argument("--out", required=True, type=Path, help="writes OUT (JSON)")
     a = ap.parse_args(argv)
     try:
         train = TrainConfig(windows=a.windows, window=a.window, prompt_len=a.prompt_len, loss_scope="continuation")
-        if not 0 < a.fraction <= 1 or not 2 <= a.folds <= a.windows:
-            raise ValueError(f"need 0 < --fraction <= 1 and 2 <= --folds <= --windows, got {a.fraction}, {a.folds}")
+        if not 0 < a.fraction <= 1 or not 2 <= a.folds <= a.windows or min(a.neighbours) < 1:
+            raise ValueError(f"need 0 < --fraction <= 1, 2 <= --folds <= --windows and --neighbours >= 1, got "
+                             f"{a.fraction}, {a.folds}, {a.neighbours}")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -155,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                    loss_from=train.loss_from)  # the positions `train-parse --loss-scope continuation` scores
     prompt = collect(model, dense, wins[:, :a.prompt_len], a.prompt_len, train.sample_tokens, train.collect_batch,
                      train.seed)
-    res = predictability(cont, prompt, k, a.folds, a.fraction)
+    res = predictability(cont, prompt, k, a.folds, a.fraction, neighbours=tuple(a.neighbours))
     cmd = "python -m rankserve.bench.parse_predictability " + " ".join(argv if argv is not None else sys.argv[1:])
     res = dict(command=cmd, base=a.base, keep=a.keep, window=a.window, prompt_len=a.prompt_len,
                torch=torch.__version__, seconds=round(time.perf_counter() - t0, 1)) | res

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rankserve.bench.parse_predictability import fold_mean, fold_predict, main, predictability
+from rankserve.bench.parse_predictability import fold_mean, fold_neighbours, fold_predict, main, predictability
 from rankserve.compress.parse import _hard, build_pool, collect, sample_windows
 from rankserve.workers.checkpoint import load_checkpoint
 from rankserve.workers.tokenizer import Tokenizer
@@ -32,6 +32,14 @@ def test_fold_predict_recovers_a_linear_map():
     torch.testing.assert_close(fold_predict(F, G, folds, 1e-12, use), G, rtol=1e-6, atol=1e-6)
 
 
+def test_nearest_neighbours_average_the_closest_training_rows():
+    F = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9], [1.0, 0.05], [0.05, 1.0]])
+    G = torch.tensor([[1.0], [3.0], [10.0], [30.0], [0.0], [0.0]])
+    folds = torch.tensor([0, 0, 0, 0, 1, 1])  # fold 1's rows see only fold 0's
+    out = fold_neighbours(F, G, folds, 2)
+    assert out[4].item() == pytest.approx(2.0) and out[5].item() == pytest.approx(20.0)  # the two on its side
+
+
 def test_a_fold_is_predicted_without_its_own_rows():
     g = torch.Generator().manual_seed(1)
     F, G = torch.randn(100, 3, generator=g), torch.randn(100, 5, generator=g)
@@ -41,6 +49,8 @@ def test_a_fold_is_predicted_without_its_own_rows():
     G2[folds == 0] += 100.0  # fold 0's own targets change: its predictions must not
     torch.testing.assert_close(fold_predict(F, G2, folds, 0.1)[folds == 0], base[folds == 0])
     torch.testing.assert_close(fold_mean(G2, folds)[folds == 0], mean[folds == 0])
+    near = fold_neighbours(F, G, folds, 5)
+    torch.testing.assert_close(fold_neighbours(F, G2, folds, 5)[folds == 0], near[folds == 0])
     assert not torch.allclose(fold_predict(F, G2, folds, 0.1)[folds == 1], base[folds == 1])
 
 
@@ -71,7 +81,7 @@ def test_predictors_lie_above_the_oracle(data):
     assert res["share_of_oracle_gap"]["static"] == 0 and res["share_of_oracle_gap"]["oracle"] == pytest.approx(1)
     assert res["vs_static"]["static"] == 0 and res["vs_static"]["oracle"] <= 0
     assert set(res["mean"]) == {"static", "oracle", "mean_gain", "prompt_gain", "x", "x @0.5", "gp", "gp @0.5",
-                                "x+gp", "x+gp @0.5"}
+                                "x+gp", "x+gp @0.5", "x nearest"}
 
 
 def test_predictability_checks_its_arguments(data):
@@ -91,6 +101,7 @@ def test_cli_writes_json_and_refuses_bad_input(tmp_path, capsys):
     assert res["windows"] == 30 and res["base"] == "svd-llm" and res["command"].endswith(f"--out {out}")
     assert res["mean"]["oracle"] <= res["mean"]["static"]
     assert main(args + ["--fraction", "0", "--out", str(tmp_path / "x.json")]) == 2
+    assert main(args + ["--neighbours", "0", "--out", str(tmp_path / "x.json")]) == 2
     assert main(["--dense", str(MODEL), "--calib-text", str(tmp_path / "none.txt"), "--train-text", str(TEXT),
                  "--out", str(tmp_path / "y.json")]) == 2
     assert main(args + ["--windows", "100000", "--out", str(tmp_path / "z.json")]) == 2  # the text is too short
