@@ -165,15 +165,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {p} does not exist", file=sys.stderr)
             return 2
     t0 = time.perf_counter()
-    model, k, _ = build_pool(a.dense, a.base, a.keep, a.calib_text, progress=False)
-    dense_model, _ = load_checkpoint(a.dense, "cpu", torch.float32)
-    dense = {n: l.dense_weight().detach() for n, l in dense_model.projections().items()}
-    del dense_model
-    try:
+    try:  # the windows first: a text too short fails before the pool is built; then a bad --keep
         wins = sample_windows([a.train_text], Tokenizer.load(a.dense), a.windows, a.window, train.seed)
+        model, k, _ = build_pool(a.dense, a.base, a.keep, a.calib_text, progress=False)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    dense_model, _ = load_checkpoint(a.dense, "cpu", torch.float32)
+    dense = {n: l.dense_weight().detach() for n, l in dense_model.projections().items()}
+    del dense_model
     cont = collect(model, dense, wins, a.prompt_len, train.sample_tokens, train.collect_batch, train.seed,
                    loss_from=train.loss_from)  # the positions `train-parse --loss-scope continuation` scores
     prompt = collect(model, dense, wins[:, :a.prompt_len], a.prompt_len, train.sample_tokens, train.collect_batch,

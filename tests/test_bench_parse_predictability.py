@@ -105,6 +105,7 @@ def test_cli_writes_json_and_refuses_bad_input(tmp_path, capsys):
     assert main(["--dense", str(MODEL), "--calib-text", str(tmp_path / "none.txt"), "--train-text", str(TEXT),
                  "--out", str(tmp_path / "y.json")]) == 2
     assert main(args + ["--windows", "100000", "--out", str(tmp_path / "z.json")]) == 2  # the text is too short
+    assert main(args + ["--keep", "1.5", "--out", str(tmp_path / "z.json")]) == 2
     assert not (tmp_path / "x.json").exists() and not (tmp_path / "z.json").exists()
     assert "error:" in capsys.readouterr().err
 
