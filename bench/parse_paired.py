@@ -57,7 +57,8 @@ def paired_scores(model: Transformer, ref: Transformer, routers: Routers, tok: T
         masks, _ = parse_masks(model, routers, mode, prompt_len)
         r = compare(model, ref, tok, text, seq_len, None, max_tokens or None, batch_size, prompt_len=prompt_len,
                     masks=masks, per_window=rows[mode])
-        out[mode] = {"perplexity": r["perplexity"], "nll": r["nll"], "top1_agreement": r["top1_agreement"]}
+        out[mode] = {"perplexity": r["perplexity"], "nll": r["nll"], "top1_agreement": r["top1_agreement"],
+                     "kl": r["kl"]}
     clear(model)
     out.update(windows=len(rows["route"]), tokens=sum(n for n, _, _ in rows["route"]))
     pairs = list(zip(rows["route"], rows["static"], strict=True))  # the same windows, the same tokens

@@ -24,6 +24,7 @@ def test_totals_are_evals_and_the_differences_pair(tiny_parse, tmp_path):
                       parse_mode=mode, progress=False)
         assert r["tokens"] == ev["tokens"] and r[mode]["nll"] == pytest.approx(ev["nll"], rel=1e-6)
         assert r[mode]["top1_agreement"] == pytest.approx(ev["top1_agreement"])
+        assert r[mode]["kl"] == pytest.approx(ev["kl"], rel=1e-5)
     d = r["route_minus_static"]
     assert r["windows"] == 8 and d["nll_ci95"] > 0 and d["top1_ci95"] >= 0
     assert d["windows_route_lower_nll"] + d["windows_static_lower_nll"] <= r["windows"]
