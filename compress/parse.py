@@ -16,7 +16,9 @@ Pipeline (seed-algorithms §1.5); the runtime half (select, masks, rank reuse) i
   3. train      one linear router per matrix, s = R x̄ + b → hard top-K mask, straight-through (STE):
                 a closed-form ridge warm start, `steps` layer-local STE steps (`train_routers`), then `kd_steps`
                 end-to-end STE steps against the dense model's logits (`distill_routers`); the iterate with the
-                lowest held-out loss is kept. Every stage is resumable from `work_dir`.
+                lowest held-out loss is kept; the held-out windows come from documents of their own (a plain
+                text's end), since windows of the training articles favour routers that fit those articles
+                (parse-log.md, session 50). Every stage is resumable from `work_dir`.
   4. aggregate  permute the components of each matrix by selection frequency, U columns, V rows and router rows
                 together (the product is unchanged); the always-selected ones form a contiguous head.
   5. write      a native checkpoint at r_max, routers as method tensors `methods.parse.{proj}.R` [r_max, in],
@@ -106,7 +108,10 @@ CHOICES = {
                 "standardized x̄ (ridge strength picked from a grid by held-out loss); then layer-local STE; "
                 "then end-to-end STE (KD). Stages 1-2 keep, per matrix, the best of {static first-K, warm "
                 "start, STE iterates} on held-out windows; stage 3 keeps its best iterate (start included) by "
-                "held-out KL. AdamW, weight decay on R only, linear warmup then constant lr",
+                "held-out KL. The held-out windows (the last `holdout` of the draw) come from documents no training "
+                "window comes from (a JSONL corpus's later documents, a plain text's end), where the text is long "
+                "enough. AdamW, weight decay on R only, linear warmup then "
+                "constant lr",
     "training_windows": "windows of `window` tokens (BOS first) from a corpus other than the evaluation text; the "
                         "router input pools the first `prompt_len` tokens, the loss covers the whole window",
     "groups": "basis-sharing: the group's shared components are experts of every member; one router per member "
@@ -204,7 +209,8 @@ class TrainConfig:
     window: int = 128  # tokens per window, BOS first; the loss covers all of them
     prompt_len: int = 64  # the router input pools the first prompt_len tokens (a prompt)
     sample_tokens: int = 8  # tokens per window kept to estimate the cross term of non-orthogonal U (basis-sharing)
-    holdout: float = 0.1  # fraction of windows kept out of training, for the reported losses
+    holdout: float = 0.1  # fraction of windows kept out of training, for the reported losses and early stopping;
+    # `build_parse_checkpoint` draws them from documents no training window comes from, where the corpus has enough
     batch_size: int = 64  # windows per step
     ridge: tuple[float, ...] = (0.03, 0.1, 0.3, 1.0, 3.0)  # warm-start ridge strengths (× windows) tried per matrix
     lr: float = 1e-3  # scores are scaled to unit std at the warm start, so this is relative
@@ -309,17 +315,41 @@ class RouterData:
 def sample_windows(text_path: str | Path | list[str | Path], tokenizer: Tokenizer, n: int, window: int,
                    seed: int = 0,
                    reverse: bool = False,  # walk the seeded document order from its end: disjoint from a forward draw
+                   holdout: int = 0,  # the last `holdout` windows come from documents the others do not touch
+                   notes: list[str] | None = None,  # where a text with too few documents for that says so
+                   # (stderr when None)
                    ) -> torch.Tensor:
     """(n, window) token windows, BOS first, from a text file or a JSONL corpus ({"text": ...} per line), or an
     even share from each of several such files.
 
     Documents are visited in a seeded random order; each gives at most a few windows at random offsets, so
     the windows spread over the corpus. A plain text file is cut into 64 KiB pseudo-documents.
+
+    With `holdout` > 0 the last `holdout` rows come from documents no other row comes from, so a held-out score
+    measures new documents, not new windows of the training documents (parse-log.md, session 50: drawn from the
+    training articles, held-out windows favoured routers that lose on unseen articles). In a JSONL corpus they are
+    the documents visited after those that gave the first n − holdout; in a plain text, the pieces at its end (64 KiB
+    pieces cut an article or a play in two, so only a contiguous end shares no more than one with the rest). A text
+    too short for that falls back to a random split and says so in `notes`. holdout = 0 gives the draw as it always
+    was.
     """
+    if not 0 <= holdout < n:
+        raise ValueError(f"holdout must be in [0, n), got {holdout} of {n}")
     if isinstance(text_path, (list, tuple)):
         shares = [n // len(text_path) + (i < n % len(text_path)) for i in range(len(text_path))]
-        w = torch.cat([sample_windows(p, tokenizer, m, window, seed, reverse) for p, m in zip(text_path, shares)])
-        return w[torch.randperm(n, generator=torch.Generator().manual_seed(seed))]
+        gen = torch.Generator().manual_seed(seed)
+        if not holdout:
+            w = torch.cat([sample_windows(p, tokenizer, m, window, seed, reverse) for p, m in zip(text_path, shares)])
+            return w[torch.randperm(n, generator=gen)]
+        held = [holdout * m // n for m in shares]  # each file holds out its share, the remainder from the first
+        for i in range(holdout - sum(held)):
+            held[i % len(held)] += 1
+        parts = [sample_windows(p, tokenizer, m, window, seed, reverse, h, notes)
+                 for p, m, h in zip(text_path, shares, held)]
+        train = torch.cat([w[:len(w) - h] for w, h in zip(parts, held)])
+        test = torch.cat([w[len(w) - h:] for w, h in zip(parts, held)])
+        train, test = train[torch.randperm(len(train), generator=gen)], test[torch.randperm(holdout, generator=gen)]
+        return torch.cat([train, test])
     path = Path(text_path)
     if not path.is_file():
         raise ValueError(f"training text {path} does not exist or is not a file")
@@ -329,25 +359,58 @@ def sample_windows(text_path: str | Path | list[str | Path], tokenizer: Tokenize
     else:
         docs = [raw[i:i + 65536] for i in range(0, len(raw), 65536)]
     rng = random.Random(seed)
+    per_doc = max(1, math.ceil(4 * n / len(docs)))  # enough windows even from a corpus of few documents
+    body = window - 1  # the BOS takes one place
+    tail: list[str] = []  # a plain text's held-out pieces: its end, in order
+    if holdout and path.suffix != ".jsonl":
+        # one running text cut into pieces: a piece's neighbours share its first and last article (or its play, its
+        # book), so the held-out pieces are the text's end and share at most the one article at their start
+        got = 0
+        while len(docs) > 1 and got < holdout:
+            tail.insert(0, docs.pop())
+            m = len(tokenizer.encode(tail[0], bos=False))
+            got += min(per_doc, (m - body) // body + 1 if m >= body else 0)  # the windows it will give
     rng.shuffle(docs)
     docs = docs[::-1] if reverse else docs
-    per_doc = max(1, math.ceil(4 * n / len(docs)))  # enough windows even from a corpus of few documents
     out: list[list[int]] = []
-    body = window - 1  # the BOS takes one place
-    for doc in docs:
+    first_held = None  # where the held-out documents' windows begin in `out`
+    for i, doc in enumerate(docs + tail):
+        if tail and i < len(docs) and len(out) >= n - holdout:
+            continue  # the training windows are drawn: on to the text's end
+        if holdout and first_held is None and (i == len(docs) if tail else len(out) >= n - holdout):
+            first_held = len(out)  # the training windows are drawn: the next documents are the held-out ones
         ids = tokenizer.encode(doc, bos=False)
         if len(ids) < body:
             continue
         starts = list(range(0, len(ids) - body + 1, body))
         for s in rng.sample(starts, min(per_doc, len(starts))):
             out.append([tokenizer.bos_id] + ids[s:s + body])
-        if len(out) >= n:
+        if (first_held is not None and len(out) >= first_held + holdout) or (not holdout and len(out) >= n):
             break
+    if first_held is not None and first_held >= n - holdout and len(out) - first_held >= holdout:
+        train, test = out[:first_held], out[first_held:]
+        rng.shuffle(train)
+        rng.shuffle(test)
+        return torch.tensor(train[:n - holdout] + test[:holdout])
+    if holdout:
+        note = (f"{path.name}: too few documents to hold out {holdout} windows from documents of their own; the "
+                "held-out windows share documents with the training windows")
+        if notes is None:
+            print(note, file=sys.stderr)
+        else:
+            notes.append(note)
     if len(out) < n:
         raise ValueError(f"{path} gives only {len(out)} windows of {window} tokens; {n} were asked for — pass "
                          "a longer text or fewer windows")
     rng.shuffle(out)
     return torch.tensor(out[:n])
+
+
+def _say(notes: list[str], progress: bool) -> None:
+    """Print the notes gathered so far on stderr (when `progress`) and forget them."""
+    for note in notes if progress else ():
+        print(note, file=sys.stderr)
+    notes.clear()
 
 
 def _jsonl_texts(path: Path, raw: str) -> list[str]:
@@ -873,12 +936,16 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
     check_work_dir(work)
     tok = Tokenizer.load(dense_dir)
     data_path = work / "data.safetensors"
-    windows = None if data_path.is_file() and resume else sample_windows(train_files, tok, train.windows,
-                                                                         train.window, train.seed)
+    n_held = int(round(train.windows * train.holdout))  # the training stages' held-out windows (the last ones)
+    notes: list[str] = []  # said once the work dir is accepted, so a refused run prints only its error
+    draw = lambda: sample_windows(train_files, tok, train.windows, train.window, train.seed,  # noqa: E731
+                                  holdout=n_held, notes=notes)  # held out from documents of their own
+    windows = None if data_path.is_file() and resume else draw()
     knobs = {key: v for key, v in asdict(train).items() if key != "save_every"}
     # the inputs' identities, not just their paths: a checkpoint rebuilt at the same path is another run
     settings = dict(dense_dir=str(dense_dir), dense=_fingerprint(dense_dir), keep=keep, train_text=train_files,
-                    steps=steps, kd_steps=kd_steps, train=knobs)
+                    steps=steps, kd_steps=kd_steps, train=knobs,
+                    heldout_from="documents of their own")  # a work dir of the older, shared-document draw differs
     if pool_from is None:
         settings |= dict(pool_factor=pool_factor, calib_text=str(calib_text), base=base, calib_tokens=calib_tokens,
                          calib_seq_len=calib_seq_len, group_size=group_size)
@@ -894,6 +961,7 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
         if old != settings:
             raise WorkDirMismatch(f"{work} holds a run with other settings; remove it or pass another work_dir")
     (work / "settings.json").write_text(json.dumps(settings, indent=1))
+    _say(notes, progress)
 
     if pool_from is not None:  # the experts as stored, in the stored dtype: what will be served
         store_dtype = stored_dtype(Path(pool_from))
@@ -922,7 +990,8 @@ def build_parse_checkpoint(dense_dir: str | Path, out_dir: str | Path, *,
         dense = {n: l.dense_weight().detach() for n, l in dense_model.projections().items()}
         del dense_model
         if windows is None:
-            windows = sample_windows(train_files, tok, train.windows, train.window, train.seed)
+            windows = draw()
+            _say(notes, progress)
         data = collect(model, dense, windows, train.prompt_len, train.sample_tokens, train.collect_batch,
                        train.seed, progress, train.loss_from)
         del dense

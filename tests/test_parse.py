@@ -837,3 +837,57 @@ def test_jsonl_line_without_text_names_file_and_line(tmp_path):
     corpus.write_text('{"text": "Once"}\n{"text": \n')
     with pytest.raises(ValueError, match=f"{corpus} line 2 is not JSON"):
         sample_windows(corpus, Tokenizer.load(STORIES), 4, 16)
+
+
+def test_held_out_windows_come_from_documents_of_their_own(tmp_path, capsys):
+    from rankserve.compress.parse import sample_windows
+
+    tok = Tokenizer.load(STORIES)
+    words = ["cat", "dog", "sun", "tree", "boat", "king", "fish", "bird", "moon", "rain", "ship", "cake"]
+    corpus = tmp_path / "c.jsonl"  # 12 documents, each one word repeated: a window's word names its document
+    corpus.write_text("".join(json.dumps({"text": f" {w}" * 120}) + "\n" for w in words))
+    ids = {w: set(tok.encode(f" {w}" * 8, bos=False)) for w in words}
+    doc_of = lambda row: {w for w in words if set(row[1:].tolist()) <= ids[w]}  # noqa: E731
+
+    plain = sample_windows(corpus, tok, 20, 16, seed=3)
+    assert torch.equal(plain, sample_windows(corpus, tok, 20, 16, seed=3, holdout=0))  # the draw as it was
+    w = sample_windows(corpus, tok, 20, 16, seed=3, holdout=5)
+    assert w.shape == (20, 16) and all(len(doc_of(r)) == 1 for r in w)
+    train = set().union(*map(doc_of, w[:15]))
+    held = set().union(*map(doc_of, w[15:]))
+    assert held and not train & held  # no held-out window shares a document with a training window
+
+    other = tmp_path / "d.jsonl"  # six documents of other words: each file holds out its share, last
+    words += ["red", "blue", "green", "gold", "pink", "gray"]
+    other.write_text("".join(json.dumps({"text": f" {w}" * 120}) + "\n" for w in words[12:]))
+    ids |= {w: set(tok.encode(f" {w}" * 8, bos=False)) for w in words[12:]}
+    both = sample_windows([corpus, other], tok, 24, 16, seed=1, holdout=6)
+    assert both.shape == (24, 16) and all(len(doc_of(r)) == 1 for r in both)
+    train, held = set().union(*map(doc_of, both[:18])), set().union(*map(doc_of, both[18:]))
+    assert not train & held and held & set(words[:12]) and held & set(words[12:])
+    assert capsys.readouterr().err == ""
+
+    few = tmp_path / "few.jsonl"  # one document: no held-out documents to be had, so a random split, said so
+    few.write_text(json.dumps({"text": " cat" * 400}) + "\n")
+    assert sample_windows(few, tok, 10, 16, holdout=2).shape == (10, 16)
+    assert "too few documents" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="holdout must be in"):
+        sample_windows(corpus, tok, 10, 16, holdout=10)
+
+
+def test_plain_text_holds_out_its_end(tmp_path):
+    from rankserve.compress.parse import sample_windows
+
+    tok = Tokenizer.load(STORIES)
+    words = ["cat", "dog", "sun", "tree", "boat", "king", "fish", "bird", "moon", "rain"]
+    ids = {w: set(tok.encode(f" {w}" * 8, bos=False)) for w in words}
+    doc_of = lambda row: {w for w in words if set(row[1:].tolist()) <= ids[w]}  # noqa: E731
+    text = tmp_path / "t.txt"  # ten "articles" of ~40 KiB: every 64 KiB piece cuts one in two
+    text.write_text("".join(f" {w}" * 9000 for w in words))
+    w = sample_windows(text, tok, 40, 16, seed=2, holdout=8)
+    assert w.shape == (40, 16)
+    rows = [doc_of(r) for r in w]
+    train = set().union(*[r for r in rows[:32] if len(r) == 1])
+    held = set().union(*[r for r in rows[32:] if len(r) == 1])
+    assert held <= {"moon", "rain"}  # the text's end
+    assert len(train & held) <= 1  # at most the article the held-out end starts in
