@@ -108,7 +108,9 @@ CHOICES = {
                 "standardized x̄ (ridge strength picked from a grid by held-out loss); then layer-local STE; "
                 "then end-to-end STE (KD). Stages 1-2 keep, per matrix, the best of {static first-K, warm "
                 "start, STE iterates} on held-out windows; stage 3 keeps its best iterate (start included) by "
-                "held-out KL. The held-out windows (the last `holdout` of the draw) come from documents no training "
+                "held-out KL, among those whose held-out top-1 agreement with the dense model is no lower than the "
+                "start's (kd_guard='top1': a KL step that cost WikiText-2 test 0.5 points of top-1 had gained 0.13 % "
+                "of held-out KL, parse-log.md session 50). The held-out windows (the last `holdout` of the draw) come from documents no training "
                 "window comes from (a JSONL corpus's later documents, a plain text's end), where the text is long "
                 "enough. AdamW, weight decay on R only, linear warmup then "
                 "constant lr",
@@ -228,6 +230,8 @@ class TrainConfig:
     # --prompt-len` scores): the layer-local statistics and the KD term alike
     kd_loss: str = "kl"  # "kl": KL(dense ‖ PARSE); "argmax": cross-entropy to the dense model's argmax token
     # (hard-label distillation: what top-1 agreement counts)
+    kd_guard: str = "top1"  # "top1": a KD iterate replaces the start only if its held-out top-1 agreement with the
+    # dense model is at least the start's (it may not buy KL with agreement); "none": the lowest held-out loss wins
     save_every: int = 50  # steps between resumable train-state writes
     router_chunk: int = 0  # matrices the layer-local stage trains at a time (0 = all together); a chunk of a
     # layer's 7 holds that layer's routers, gradients and AdamW moments alone (a 7B pool on one GPU)
@@ -247,6 +251,8 @@ class TrainConfig:
             raise ValueError(f"router_chunk must be >= 0 (0 = every matrix at once), got {self.router_chunk}")
         if self.kd_loss not in ("kl", "argmax"):
             raise ValueError(f"kd_loss must be 'kl' or 'argmax', got {self.kd_loss!r}")
+        if self.kd_guard not in ("top1", "none"):
+            raise ValueError(f"kd_guard must be 'top1' or 'none', got {self.kd_guard!r}")
 
     @property
     def loss_from(self) -> int:
@@ -361,14 +367,14 @@ def sample_windows(text_path: str | Path | list[str | Path], tokenizer: Tokenize
     rng = random.Random(seed)
     per_doc = max(1, math.ceil(4 * n / len(docs)))  # enough windows even from a corpus of few documents
     body = window - 1  # the BOS takes one place
-    tail: list[str] = []  # a plain text's held-out pieces: its end, in order
+    tail: list[list[int]] = []  # a plain text's held-out pieces, encoded: its end, in order
     if holdout and path.suffix != ".jsonl":
         # one running text cut into pieces: a piece's neighbours share its first and last article (or its play, its
         # book), so the held-out pieces are the text's end and share at most the one article at their start
         got = 0
         while len(docs) > 1 and got < holdout:
-            tail.insert(0, docs.pop())
-            m = len(tokenizer.encode(tail[0], bos=False))
+            tail.insert(0, tokenizer.encode(docs.pop(), bos=False))
+            m = len(tail[0])
             got += min(per_doc, (m - body) // body + 1 if m >= body else 0)  # the windows it will give
     rng.shuffle(docs)
     docs = docs[::-1] if reverse else docs
@@ -379,7 +385,7 @@ def sample_windows(text_path: str | Path | list[str | Path], tokenizer: Tokenize
             continue  # the training windows are drawn: on to the text's end
         if holdout and first_held is None and (i == len(docs) if tail else len(out) >= n - holdout):
             first_held = len(out)  # the training windows are drawn: the next documents are the held-out ones
-        ids = tokenizer.encode(doc, bos=False)
+        ids = doc if isinstance(doc, list) else tokenizer.encode(doc, bos=False)
         if len(ids) < body:
             continue
         starts = list(range(0, len(ids) - body + 1, body))
@@ -400,8 +406,9 @@ def sample_windows(text_path: str | Path | list[str | Path], tokenizer: Tokenize
         else:
             notes.append(note)
     if len(out) < n:
-        raise ValueError(f"{path} gives only {len(out)} windows of {window} tokens; {n} were asked for — pass "
-                         "a longer text or fewer windows")
+        held = f", {holdout} of them from documents of their own" if holdout else ""
+        raise ValueError(f"{path} gives only {len(out)} windows of {window} tokens; {n} were asked for{held} — "
+                         "pass a longer text or fewer windows")
     rng.shuffle(out)
     return torch.tensor(out[:n])
 
@@ -697,10 +704,11 @@ def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k:
     next-token distributions over every token of a window (the logit-KD term; the routers see the windows'
     pooled prompt inputs from `data`, as at serving time). Starts from (R, b) (raw-input form, as
     `train_routers` returns them); keeps the iterate with the lowest KL on `cfg.kd_eval` held-out windows,
-    the start included. Resumable through `state_path` like `train_routers`; a finished stage keeps only its best
-    routers there and is read back without building the stage. Returns (R, b, report) on the data's device. The
-    models and the data must be on one device, where it runs; (R, b) may wait on the CPU. `host`: AdamW's moments
-    wait there between steps (`offload.host_step`; the same result), None = on the device.
+    the start included; with `cfg.kd_guard` "top1" an iterate qualifies only if its held-out top-1 agreement with
+    the dense model is at least the start's. Resumable through `state_path` like `train_routers`; a finished stage
+    keeps only its best routers there and is read back without building the stage. Returns (R, b, report) on the
+    data's device. The models and the data must be on one device, where it runs; (R, b) may wait on the CPU.
+    `host`: AdamW's moments wait there between steps (`offload.host_step`; the same result), None = on the device.
     """
     cfg = cfg or TrainConfig()
     P, dev = data.n, data.windows.device
@@ -713,7 +721,8 @@ def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k:
     sd = {n: v[train_idx].std(0).clamp_min(1e-6) if len(train_idx) > 1 else torch.ones_like(v[0])
           for n, v in data.x.items()}
 
-    def result(best: dict, start_kl: float | None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    def result(best: dict, start_kl: float | None, top1: dict) -> tuple[dict[str, torch.Tensor],
+                                                                           dict[str, torch.Tensor], dict]:
         R_out, b_out = {}, {}  # back to the raw-input form
         with torch.no_grad():
             for n in projs:
@@ -723,11 +732,11 @@ def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k:
         final = next(iter(best.values()))
         return R_out, b_out, {"kd_steps": steps, "kd_heldout_windows": len(val_idx),
                               "kd_heldout_kl_start": start_kl, "kd_heldout_kl": round(final[2], 6),
-                              "kd_kept": final[3]}
+                              "kd_kept": final[3], "kd_guard": cfg.kd_guard} | top1
 
     done = _load_done(Path(state_path), steps, projs, "cpu") if state_path is not None else None
     if done is not None:  # finished by an earlier run: its result, without building the stage again
-        return result(done[0], done[1]["kd_start"])
+        return result(done[0], done[1]["kd_start"], done[1].get("top1", {}))
     xn = {n: (v - mu[n]) / sd[n] for n, v in data.x.items()}
     params = torch.nn.ParameterDict()
     for n in projs:  # back to the standardized-input form: s = R x̄ + b = (R σ) x̂ + (b + R μ)
@@ -744,23 +753,27 @@ def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k:
 
     first = cfg.loss_from
 
-    def kd(idx: torch.Tensor) -> torch.Tensor:  # the KD loss (cfg.kd_loss) over the scored positions
+    def kd(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # the KD loss (cfg.kd_loss) over the scored positions, and how many of them agree with the dense argmax
         x = data.windows[idx]  # (B, L)
         with torch.no_grad():
             ref = torch.log_softmax(dense(x)[:, first:], -1)  # (B, L - first, V)
         lp = torch.log_softmax(model(x)[:, first:], -1)
+        top = ref.argmax(-1, keepdim=True)  # (B, L - first, 1)
+        agree = (lp.detach().argmax(-1, keepdim=True) == top).float().mean()
         if cfg.kd_loss == "argmax":
-            return -lp.gather(-1, ref.argmax(-1, keepdim=True)).mean()
-        return (ref.exp() * (ref - lp)).sum(-1).mean()
+            return -lp.gather(-1, top).mean(), agree
+        return (ref.exp() * (ref - lp)).sum(-1).mean(), agree
 
-    def heldout() -> float:
-        tot = 0.0
+    def heldout() -> tuple[float, float]:  # (KD loss, top-1 agreement) on the held-out windows
+        tot = hits = 0.0
         with torch.no_grad():
             for i in range(0, len(val_idx), cfg.kd_batch):
                 idx = val_idx[i:i + cfg.kd_batch]
                 masks(idx, hard=True)
-                tot += kd(idx).item() * len(idx)
-        return tot / len(val_idx)
+                loss, agree = kd(idx)
+                tot, hits = tot + loss.item() * len(idx), hits + agree.item() * len(idx)
+        return tot / len(val_idx), hits / len(val_idx)
 
     opt = torch.optim.AdamW([{"params": [p for nm, p in params.items() if nm.endswith("_R")],
                               "weight_decay": cfg.weight_decay},
@@ -776,12 +789,15 @@ def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k:
 
     try:
         start = 0
+        top1: dict = {}  # the start's held-out agreement and the kept iterate's (kd_heldout_top1{_start,})
         if state_path is not None and Path(state_path).is_file():
             start = _load_state(Path(state_path), params, opt, sched, best, host)
             best = {n: (R.cpu(), b.cpu(), h, at) for n, (R, b, h, at) in best.items()}
-        else:
-            h0 = heldout()
+            top1 = _state_report(Path(state_path)).get("top1", {})
+        if not start:
+            h0, a0 = heldout()
             best = {n: keep(n, h0, "start") for n in projs}
+            top1 = {"kd_heldout_top1_start": round(a0, 6), "kd_heldout_top1": round(a0, 6)}
         start_kl = next(iter(best.values()))[2] if start == 0 else None
         bar = tqdm(range(start, steps), desc="distill routers (STE, KD)", unit="step", disable=not progress,
                    initial=start, total=steps)
@@ -790,21 +806,29 @@ def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k:
             pick = torch.randint(len(train_idx), (min(cfg.kd_batch, len(train_idx)),), generator=g)
             idx = train_idx[pick.to(dev)]
             masks(idx, hard=False)
-            loss = kd(idx)
+            loss, _ = kd(idx)
             bar.set_postfix(kl=f"{_descend(opt, sched, loss, host):.4f}")
             if (step + 1) % cfg.eval_every == 0 or step + 1 == steps:
-                h = heldout()
-                if h < next(iter(best.values()))[2]:
+                h, a = heldout()
+                if _kd_accepts(h, a, next(iter(best.values()))[2], top1.get("kd_heldout_top1_start"), cfg.kd_guard):
                     best = {n: keep(n, h, f"step {step + 1}") for n in projs}
+                    top1 = top1 | {"kd_heldout_top1": round(a, 6)}
             if state_path is not None and (step + 1) % cfg.save_every == 0 and step + 1 < steps:
-                _save_state(Path(state_path), params, opt, best, step + 1)
+                _save_state(Path(state_path), params, opt, best, step + 1, top1=top1)
         bar.close()
         if state_path is not None:  # finished: only the result is kept (a quarter of the state's bytes)
-            _save_done(Path(state_path), best, steps, kd_start=start_kl)
+            _save_done(Path(state_path), best, steps, kd_start=start_kl, top1=top1)
     finally:
         for n in projs:
             lins[n].mask = None
-    return result(best, start_kl)
+    return result(best, start_kl, top1)
+
+
+def _kd_accepts(loss: float, top1: float, best_loss: float, start_top1: float | None, guard: str) -> bool:
+    """Whether a KD iterate with held-out `loss` and top-1 agreement `top1` replaces the best so far: a lower loss,
+    and under guard "top1" an agreement no lower than the start's (unknown, None, for a state written before the
+    guard existed: then the loss alone decides)."""
+    return loss < best_loss and not (guard == "top1" and start_top1 is not None and top1 < start_top1)
 
 
 def select_frequency(data: RouterData, k: dict[str, int], R: dict[str, torch.Tensor],
@@ -1154,7 +1178,9 @@ def _descend(opt: torch.optim.Optimizer, sched, loss: torch.Tensor, host: str | 
     return loss.item()
 
 
-def _save_state(path: Path, params, opt, best, step: int) -> None:
+def _save_state(path: Path, params, opt, best, step: int, **report) -> None:
+    """An unfinished stage's state: routers, AdamW moments, best-so-far, the step reached, and `report` (JSON
+    values, read back by `_state_report`)."""
     t = {f"param.{n}": p.detach() for n, p in params.items()}
     names = {id(p): n for n, p in params.items()}
     for p, st in opt.state.items():
@@ -1163,6 +1189,7 @@ def _save_state(path: Path, params, opt, best, step: int) -> None:
     for n, (R, b, _, _) in best.items():
         t[f"best.{n}.R"], t[f"best.{n}.b"] = R, b
     meta = {"step": str(step), "best": json.dumps({n: [v[2], v[3]] for n, v in best.items()})}
+    meta |= {key: json.dumps(v) for key, v in report.items()}
     tmp = path.with_suffix(".tmp")
     save_file({k: v.contiguous() for k, v in t.items()}, str(tmp), metadata=meta)
     tmp.replace(path)
@@ -1194,6 +1221,13 @@ def _load_done(path: Path, steps: int, projs: list[str], dev) -> tuple[dict, dic
         best = {n: (f.get_tensor(f"best.{n}.R").to(dev), f.get_tensor(f"best.{n}.b").to(dev), loss, origin)
                 for n, (loss, origin) in json.loads(meta["best"]).items()}
     return best, {key: json.loads(v) for key, v in meta.items() if key not in ("done", "best")}
+
+
+def _state_report(path: Path) -> dict:
+    """The `report` values `_save_state` stored with a state (an older state has none)."""
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    return {key: json.loads(v) for key, v in meta.items() if key not in ("step", "best", "done")}
 
 
 def _load_state(path: Path, params, opt, sched, best, host: str | None = None) -> int:

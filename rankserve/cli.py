@@ -447,6 +447,9 @@ def train_parse_cmd(
                                              "window (every token, the default) or continuation (after the prompt)"),
     kd_loss: Optional[str] = typer.Option(None, "--kd-loss", help="end-to-end loss: kl (to the dense model, the "
                                           "default) or argmax (cross-entropy to the dense argmax token)"),
+    kd_guard: Optional[str] = typer.Option(None, "--kd-guard", help="top1 (default): an end-to-end iterate replaces "
+                                           "the layer-local routers only if its held-out top-1 agreement with the "
+                                           "dense model is at least theirs; none: the lowest held-out loss wins"),
     router_chunk: Optional[int] = typer.Option(None, "--router-chunk", help="matrices the layer-local stage trains "
                                                "at a time (default 0 = all; 7 = a layer's, for a 7B model on one GPU)"),
     group_size: int = typer.Option(2, "--group-size", help="basis-sharing: consecutive layers per shared basis"),
@@ -505,7 +508,8 @@ def train_parse_cmd(
             read_config(pool)
         check_out_dir(out)
         knobs = dict(windows=windows, window=window, prompt_len=prompt_len, batch_size=batch_size, kd_batch=kd_batch,
-                     seed=seed, loss_scope=loss_scope, kd_loss=kd_loss, router_chunk=router_chunk)
+                     seed=seed, loss_scope=loss_scope, kd_loss=kd_loss, router_chunk=router_chunk,
+                     kd_guard=kd_guard)
         train = TrainConfig(**{k: v for k, v in knobs.items() if v is not None})
         check_work_dir(work)  # never delete or mix into a foreign dir
         discard = is_work_dir(work) and not resume  # build_parse_checkpoint deletes it once every input is checked
@@ -546,7 +550,9 @@ def train_parse_cmd(
                 "keep_compute": st["keep_compute"], "keep": man.keep, "matrices": len(st["k"]),
                 "k": sum(st["k"].values()), "r_max": sum(st["r_max"].values()), "head_coverage": st["head_coverage"],
                 "heldout_rel_error": tr.get("heldout_rel_error"), "kd_heldout_kl_start": tr.get("kd_heldout_kl_start"),
-                "kd_heldout_kl": tr.get("kd_heldout_kl"), "resumed": resumed,
+                "kd_heldout_kl": tr.get("kd_heldout_kl"), "kd_kept": tr.get("kd_kept"),
+                "kd_heldout_top1_start": tr.get("kd_heldout_top1_start"), "kd_heldout_top1": tr.get("kd_heldout_top1"),
+                "resumed": resumed,
                 "seconds": round(time.perf_counter() - t0, 2)}
         err = info["heldout_rel_error"] or {}
         human = (f"PARSE ({st['base']}) {dense} -> {path} in {info['seconds']:.1f} s{' (resumed)' if resumed else ''}: "
@@ -559,6 +565,10 @@ def train_parse_cmd(
             start = info["kd_heldout_kl_start"]
             what = "cross-entropy to the dense argmax" if train.kd_loss == "argmax" else "KL to dense"
             human += f"; {what} {'' if start is None else f'{start:.4f} -> '}{info['kd_heldout_kl']:.4f}"
+            if info["kd_heldout_top1"] is not None:
+                a0 = info["kd_heldout_top1_start"]
+                human += (f", top-1 agreement {'' if a0 is None else f'{a0:.4f} -> '}{info['kd_heldout_top1']:.4f}"
+                          f" ({info['kd_kept']})")
         _emit(as_json, info, human)
 
     _run(body)

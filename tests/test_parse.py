@@ -234,6 +234,7 @@ def test_router_chunk_is_checked():
 
 
 @pytest.mark.parametrize("bad, match", [(dict(loss_scope="prompt"), "loss_scope"), (dict(kd_loss="mse"), "kd_loss"),
+                                        (dict(kd_guard="kl"), "kd_guard"),
                                         (dict(loss_scope="continuation", prompt_len=32, window=32), "continuation")])
 def test_kd_knobs_are_checked(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -266,6 +267,7 @@ def test_kd_loss_scores_the_positions_and_target_it_names():
         for n in k:
             lins[n].mask = None
     per_pos = {"kl": (ref.exp() * (ref - lp)).sum(-1), "argmax": -lp.gather(-1, ref.argmax(-1, keepdim=True))[..., 0]}
+    agree = (lp.argmax(-1) == ref.argmax(-1)).float()  # (8, 32)
     got = {}
     for scope, first in (("window", 0), ("continuation", cfg.prompt_len - 1)):
         for loss in ("kl", "argmax"):
@@ -273,6 +275,7 @@ def test_kd_loss_scores_the_positions_and_target_it_names():
                                         progress=False)
             got[scope, loss] = rep["kd_heldout_kl_start"]
             assert got[scope, loss] == pytest.approx(float(per_pos[loss][:, first:].mean()), rel=1e-5)
+            assert rep["kd_heldout_top1_start"] == pytest.approx(float(agree[:, first:].mean()), abs=1e-6)
     assert got["window", "kl"] != pytest.approx(got["continuation", "kl"], rel=1e-3)
 
 
@@ -317,7 +320,41 @@ def test_kd_stage_resumes_and_keeps_only_its_result(tmp_path, monkeypatch):
             distill_routers(model, dense, data, k, R, b, 4, cfg, tmp_path / "b.safetensors", progress=False)
     R3, b3, rep3 = distill_routers(model, dense, data, k, R, b, 4, cfg, tmp_path / "b.safetensors", progress=False)
     assert rep3["kd_heldout_kl"] == pytest.approx(rep1["kd_heldout_kl"], rel=1e-5)  # ... resumed
+    assert rep3["kd_heldout_top1_start"] == rep1["kd_heldout_top1_start"]  # the guard's reference survives it
     assert all(torch.allclose(R1[n], R3[n], atol=1e-5) and torch.allclose(b1[n], b3[n], atol=1e-5) for n in k)
+
+
+@pytest.mark.parametrize("loss, top1, guard, accepted", [
+    (0.9, 0.30, "top1", True),    # lower loss, agreement kept
+    (0.9, 0.29, "top1", False),   # lower loss bought with agreement: refused
+    (0.9, 0.29, "none", True),    # unguarded: the loss alone
+    (1.1, 0.40, "top1", False),   # agreement up, loss not lower
+])
+def test_kd_guard_refuses_an_iterate_that_buys_loss_with_agreement(loss, top1, guard, accepted):
+    from rankserve.compress.parse import _kd_accepts
+
+    assert _kd_accepts(loss, top1, best_loss=1.0, start_top1=0.30, guard=guard) is accepted
+    assert _kd_accepts(0.9, 0.0, best_loss=1.0, start_top1=None, guard="top1")  # a pre-guard state: loss decides
+
+
+def test_kd_stage_asks_the_guard_with_the_starts_agreement(monkeypatch):
+    """Every held-out evaluation goes through `_kd_accepts` with the start's agreement and the configured guard;
+    when it refuses every iterate the stage keeps its start."""
+    from rankserve.compress import parse
+
+    cfg = TrainConfig(windows=24, window=32, prompt_len=16, collect_batch=8, kd_eval=8, holdout=0.0, kd_batch=4,
+                      eval_every=1, warmup=1, kd_lr=1e-3)
+    model, dense, data, k, _, R, b = _kd_setup(cfg)
+    calls = []
+    real = parse._kd_accepts
+    monkeypatch.setattr(parse, "_kd_accepts", lambda *a: calls.append(a) or real(*a))
+    _, _, rep = parse.distill_routers(model, dense, data, k, R, b, 3, cfg, progress=False)
+    assert len(calls) == 3 and all(c[3] == rep["kd_heldout_top1_start"] and c[4] == "top1" for c in calls)
+    assert rep["kd_kept"] != "start" and rep["kd_heldout_top1"] >= rep["kd_heldout_top1_start"]
+    monkeypatch.setattr(parse, "_kd_accepts", lambda *a: False)
+    _, _, rep = parse.distill_routers(model, dense, data, k, R, b, 3, cfg, progress=False)
+    assert rep["kd_kept"] == "start" and rep["kd_heldout_top1"] == rep["kd_heldout_top1_start"]
+    assert rep["kd_heldout_kl"] == pytest.approx(rep["kd_heldout_kl_start"], rel=1e-6)
 
 
 def test_a_kd_stage_that_cannot_fit_its_device_is_refused_before_any_work(tmp_path, monkeypatch):
