@@ -109,11 +109,11 @@ CHOICES = {
                 "then end-to-end STE (KD). Stages 1-2 keep, per matrix, the best of {static first-K, warm "
                 "start, STE iterates} on held-out windows; stage 3 keeps its best iterate (start included) by "
                 "held-out KL, among those whose held-out top-1 agreement with the dense model is no lower than the "
-                "start's (kd_guard='top1': a KL step that cost WikiText-2 test 0.48 points of top-1 had gained 0.13 % "
-                "of held-out KL, parse-log.md session 50). The held-out windows (the last `holdout` of the draw) come from documents no training "
-                "window comes from (a JSONL corpus's later documents, a plain text's end), where the text is long "
-                "enough. AdamW, weight decay on R only, linear warmup then "
-                "constant lr",
+                "start's (kd_guard='top1': a KL step that cost WikiText-2 test 0.48 points of top-1 had gained "
+                "0.13 % of held-out KL, parse-log.md sessions 50-51). The held-out windows (the last `holdout` of "
+                "the draw) come from documents no training window comes from (a JSONL corpus's later documents, a "
+                "plain text's end), where the text is long enough. AdamW, weight decay on R only, linear warmup "
+                "then constant lr",
     "training_windows": "windows of `window` tokens (BOS first) from a corpus other than the evaluation text; the "
                         "router input pools the first `prompt_len` tokens, the loss covers the whole window",
     "groups": "basis-sharing: the group's shared components are experts of every member; one router per member "
