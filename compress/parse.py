@@ -754,7 +754,7 @@ def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k:
     first = cfg.loss_from
 
     def kd(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # the KD loss (cfg.kd_loss) over the scored positions, and how many of them agree with the dense argmax
+        # the KD loss (cfg.kd_loss) over the scored positions, and the fraction of them whose argmax is the dense one
         x = data.windows[idx]  # (B, L)
         with torch.no_grad():
             ref = torch.log_softmax(dense(x)[:, first:], -1)  # (B, L - first, V)
