@@ -379,20 +379,30 @@ def sample_windows(text_path: str | Path | list[str | Path], tokenizer: Tokenize
     rng.shuffle(docs)
     docs = docs[::-1] if reverse else docs
     out: list[list[int]] = []
-    first_held = None  # where the held-out documents' windows begin in `out`
-    for i, doc in enumerate(docs + tail):
-        if tail and i < len(docs) and len(out) >= n - holdout:
-            continue  # the training windows are drawn: on to the text's end
-        if holdout and first_held is None and (i == len(docs) if tail else len(out) >= n - holdout):
-            first_held = len(out)  # the training windows are drawn: the next documents are the held-out ones
-        ids = doc if isinstance(doc, list) else tokenizer.encode(doc, bos=False)
-        if len(ids) < body:
-            continue
+
+    def take(ids: list[int]) -> None:  # a document's windows, at most per_doc of them
         starts = list(range(0, len(ids) - body + 1, body))
         for s in rng.sample(starts, min(per_doc, len(starts))):
             out.append([tokenizer.bos_id] + ids[s:s + body])
-        if (first_held is not None and len(out) >= first_held + holdout) or (not holdout and len(out) >= n):
-            break
+
+    first_held = None  # where the held-out documents' windows begin in `out`
+    if tail:  # a plain text: the training windows from its shuffled pieces, then the held-out ones from its end
+        for doc in docs:
+            if len(out) >= n - holdout:
+                break
+            take(tokenizer.encode(doc, bos=False))
+        first_held = len(out)
+        for ids in tail:
+            take(ids)
+            if len(out) >= first_held + holdout:
+                break
+    else:  # documents in order; with a holdout, those begun after the training windows are drawn are held out
+        for doc in docs:
+            if holdout and first_held is None and len(out) >= n - holdout:
+                first_held = len(out)
+            take(tokenizer.encode(doc, bos=False))
+            if len(out) >= (n if not holdout else first_held + holdout if first_held is not None else math.inf):
+                break
     if first_held is not None and first_held >= n - holdout and len(out) - first_held >= holdout:
         train, test = out[:first_held], out[first_held:]
         rng.shuffle(train)
@@ -753,26 +763,25 @@ def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k:
 
     first = cfg.loss_from
 
-    def kd(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # the KD loss (cfg.kd_loss) over the scored positions, and the fraction of them whose argmax is the dense one
+    def kd(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # the KD loss (cfg.kd_loss) over the scored positions, with the log-probabilities of both models there
         x = data.windows[idx]  # (B, L)
         with torch.no_grad():
             ref = torch.log_softmax(dense(x)[:, first:], -1)  # (B, L - first, V)
         lp = torch.log_softmax(model(x)[:, first:], -1)
-        top = ref.argmax(-1, keepdim=True)  # (B, L - first, 1)
-        agree = (lp.detach().argmax(-1, keepdim=True) == top).float().mean()
         if cfg.kd_loss == "argmax":
-            return -lp.gather(-1, top).mean(), agree
-        return (ref.exp() * (ref - lp)).sum(-1).mean(), agree
+            return -lp.gather(-1, ref.argmax(-1, keepdim=True)).mean(), lp, ref
+        return (ref.exp() * (ref - lp)).sum(-1).mean(), lp, ref
 
-    def heldout() -> tuple[float, float]:  # (KD loss, top-1 agreement) on the held-out windows
+    def heldout() -> tuple[float, float]:  # (KD loss, top-1 agreement with the dense model) on the held-out windows
         tot = hits = 0.0
         with torch.no_grad():
             for i in range(0, len(val_idx), cfg.kd_batch):
                 idx = val_idx[i:i + cfg.kd_batch]
                 masks(idx, hard=True)
-                loss, agree = kd(idx)
-                tot, hits = tot + loss.item() * len(idx), hits + agree.item() * len(idx)
+                loss, lp, ref = kd(idx)
+                tot += loss.item() * len(idx)
+                hits += (lp.argmax(-1) == ref.argmax(-1)).float().mean().item() * len(idx)
         return tot / len(val_idx), hits / len(val_idx)
 
     opt = torch.optim.AdamW([{"params": [p for nm, p in params.items() if nm.endswith("_R")],
@@ -806,7 +815,7 @@ def distill_routers(model: Transformer, dense: Transformer, data: RouterData, k:
             pick = torch.randint(len(train_idx), (min(cfg.kd_batch, len(train_idx)),), generator=g)
             idx = train_idx[pick.to(dev)]
             masks(idx, hard=False)
-            loss, _ = kd(idx)
+            loss = kd(idx)[0]
             bar.set_postfix(kl=f"{_descend(opt, sched, loss, host):.4f}")
             if (step + 1) % cfg.eval_every == 0 or step + 1 == steps:
                 h, a = heldout()
