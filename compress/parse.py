@@ -102,7 +102,9 @@ CHOICES = {
             "then that loss). On WikiText-2 the continuation scope lowered test perplexity further (basis-sharing "
             "most), top-1 agreement stayed a tie, and stage 3 kept its start with either loss (session 36); with "
             "training windows of the evaluation's length (window 256, continuation scope) basis-sharing's top-1 "
-            "agreement rose clear of its interval (+0.0027 ± 0.0010) while svd-llm's stayed a tie (session 37). "
+            "agreement rose clear of its interval (+0.0027 ± 0.0010) while svd-llm's stayed a tie (session 37); "
+            "with valid's <unk> markers removed from the calibration and the routers' text, static basis-sharing "
+            "gained more top-1 on its own (+1.07 points) and the routers lost top-1 against it (session 52). "
             "The defaults were not chosen on the test set (bench/results/parse-log.md)",
     "training": "warm start: per matrix, ridge regression of each component's relative gain −a/Y on the "
                 "standardized x̄ (ridge strength picked from a grid by held-out loss); then layer-local STE; "
