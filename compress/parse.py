@@ -403,7 +403,9 @@ def sample_windows(text_path: str | Path | list[str | Path], tokenizer: Tokenize
             if holdout and first_held is None and len(out) >= n - holdout:
                 first_held = len(out)
             take(tokenizer.encode(doc, bos=False))
-            if len(out) >= (n if not holdout else first_held + holdout if first_held is not None else math.inf):
+            if not holdout and len(out) >= n:
+                break
+            if first_held is not None and len(out) >= first_held + holdout:
                 break
     if first_held is not None and first_held >= n - holdout and len(out) - first_held >= holdout:
         train, test = out[:first_held], out[first_held:]
