@@ -14,6 +14,8 @@ by a fit on the other folds), the top K of the prediction kept. Features:
     x       the router's own input, the prompt's mean input activation (what `train_routers` regresses on)
     gp      the prompt's own gains (−a/Y over the prompt's positions): what the prompt alone says it needs
     x+gp    both
+    gr      the gains of the prompt's last `--recent` positions only (off unless --recent is given): what the tokens
+            nearest the continuation say it needs
 
 `x nearest` averages the gains of the prompt's nearest training windows by cosine of x (the best of the
 `--neighbours` counts): a non-linear predictor, as rank retrieval is. Rows besides: `mean_gain` (one fixed order for
@@ -91,13 +93,15 @@ def fold_neighbours(F: torch.Tensor, G: torch.Tensor, folds: torch.Tensor, n: in
 
 def predictability(cont: RouterData, prompt: RouterData, k: dict[str, int], n_folds: int = 5,
                    fraction: float = 0.5, ridges: tuple[float, ...] = RIDGES, seed: int = 0,
-                   neighbours: tuple[int, ...] = NEIGHBOURS, progress: bool = True) -> dict:
+                   neighbours: tuple[int, ...] = NEIGHBOURS, progress: bool = True,
+                   recent: RouterData | None = None) -> dict:
     """Per matrix and mean over matrices: the loss of each predictor (module docstring). `cont` has the statistics
-    of the positions scored, `prompt` those of the prompt's own positions, over the same windows in the same order
-    (its x is not used)."""
+    of the positions scored, `prompt` those of the prompt's own positions and `recent` (optional) those of the
+    prompt's last positions, over the same windows in the same order (their x is not used)."""
     P = cont.n
-    if prompt.n != P:
-        raise ValueError(f"the prompt statistics cover {prompt.n} windows, the scored ones {P}")
+    for name, d in (("prompt", prompt), ("recent", recent)):
+        if d is not None and d.n != P:
+            raise ValueError(f"the {name} statistics cover {d.n} windows, the scored ones {P}")
     if not 2 <= n_folds <= P:
         raise ValueError(f"folds must be in [2, {P}] (the windows), got {n_folds}")
     if not 0 < fraction <= 1:
@@ -112,6 +116,9 @@ def predictability(cont: RouterData, prompt: RouterData, k: dict[str, int], n_fo
         G = (-cont.a[n] / cont.Y[n][:, None].clamp_min(1e-30)).double()  # (P, r) gains on the scored positions
         Gp = (-prompt.a[n] / prompt.Y[n][:, None].clamp_min(1e-30)).double()  # (P, r) the prompt's own
         x = cont.x[router_input(n)].double()  # (P, in)
+        feats = [("x", x), ("gp", Gp), ("x+gp", torch.cat([x, Gp], 1))]
+        if recent is not None:
+            feats.append(("gr", (-recent.a[n] / recent.Y[n][:, None].clamp_min(1e-30)).double()))  # (P, r)
 
         def loss(s: torch.Tensor) -> float:
             return cont.loss(n, every, _hard(s.float(), K)).mean().item()
@@ -119,10 +126,12 @@ def predictability(cont: RouterData, prompt: RouterData, k: dict[str, int], n_fo
         r = G.shape[1]
         row = {"static": loss(torch.linspace(1.0, -1.0, r, dtype=torch.float64).expand(P, r)), "oracle": loss(G),
                "mean_gain": loss(fold_mean(G, folds)), "prompt_gain": loss(Gp)}
-        for name, F in (("x", x), ("gp", Gp), ("x+gp", torch.cat([x, Gp], 1))):
+        for name, F in feats:
             row[name] = min(loss(fold_predict(F, G, folds, lam)) for lam in ridges)
             row[f"{name} @{fraction:g}"] = min(loss(fold_predict(F, G, folds, lam, use)) for lam in ridges)
         row["x nearest"] = min(loss(fold_neighbours(x, G, folds, m)) for m in neighbours)
+        if recent is not None:
+            row["recent_gain"] = loss(feats[-1][1])  # the last positions' own top K, no regression
         rows[n] = row
     names = list(next(iter(rows.values())))
     mean = {m: sum(r[m] for r in rows.values()) / len(rows) for m in names}
@@ -146,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--windows", type=int, default=1024)
     ap.add_argument("--window", type=int, default=256, help="tokens per window, BOS first")
     ap.add_argument("--prompt-len", type=int, default=64, help="the prompt; the continuation after it is scored")
+    ap.add_argument("--recent", type=int, default=0,
+                    help="also predict from the gains of the prompt's last N positions (0: off)")
     ap.add_argument("--folds", type=int, default=5)
     ap.add_argument("--fraction", type=float, default=0.5, help="share of the training folds a reduced fit uses")
     ap.add_argument("--neighbours", type=int, nargs="+", default=list(NEIGHBOURS),
@@ -157,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 < a.fraction <= 1 or not 2 <= a.folds <= a.windows or min(a.neighbours) < 1:
             raise ValueError(f"need 0 < --fraction <= 1, 2 <= --folds <= --windows and --neighbours >= 1, got "
                              f"{a.fraction}, {a.folds}, {a.neighbours}")
+        if not 0 <= a.recent <= a.prompt_len:
+            raise ValueError(f"--recent must be in [0, --prompt-len={a.prompt_len}], got {a.recent}")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -178,9 +191,12 @@ def main(argv: list[str] | None = None) -> int:
                    loss_from=train.loss_from)  # the positions `train-parse --loss-scope continuation` scores
     prompt = collect(model, dense, wins[:, :a.prompt_len], a.prompt_len, train.sample_tokens, train.collect_batch,
                      train.seed)
-    res = predictability(cont, prompt, k, a.folds, a.fraction, neighbours=tuple(a.neighbours))
+    recent = None if not a.recent else collect(
+        model, dense, wins[:, :a.prompt_len], a.prompt_len, train.sample_tokens, train.collect_batch, train.seed,
+        loss_from=a.prompt_len - a.recent)
+    res = predictability(cont, prompt, k, a.folds, a.fraction, neighbours=tuple(a.neighbours), recent=recent)
     cmd = "python -m rankserve.bench.parse_predictability " + " ".join(argv if argv is not None else sys.argv[1:])
-    res = dict(command=cmd, base=a.base, keep=a.keep, window=a.window, prompt_len=a.prompt_len,
+    res = dict(command=cmd, base=a.base, keep=a.keep, window=a.window, prompt_len=a.prompt_len, recent=a.recent,
                torch=torch.__version__, seconds=round(time.perf_counter() - t0, 1)) | res
     write_json(a.out, res)
     print("mean relative error: " + ", ".join(f"{m} {v:.6f}" for m, v in res["mean"].items()))

@@ -84,6 +84,27 @@ def test_predictors_lie_above_the_oracle(data):
                                 "x+gp", "x+gp @0.5", "x nearest"}
 
 
+def test_recent_gains_are_one_more_predictor_above_the_oracle(data):
+    cont, prompt, k = data
+    wins = sample_windows([TEXT], Tokenizer.load(MODEL), 60, 32, 0)
+    model, _, _ = build_pool(MODEL, "svd-llm", 0.6, TEXT, progress=False)
+    dense_model, _ = load_checkpoint(MODEL, "cpu", torch.float32)
+    dense = {n: l.dense_weight().detach() for n, l in dense_model.projections().items()}
+    recent = collect(model, dense, wins[:, :16], 16, progress=False, loss_from=12)  # the prompt's last 4 positions
+    res = predictability(cont, prompt, k, n_folds=3, fraction=0.5, ridges=(0.1, 1.0), progress=False, recent=recent)
+    assert {"gr", "gr @0.5", "recent_gain"} <= set(res["mean"])
+    for n, row in res["matrices"].items():
+        every = torch.arange(cont.n)
+        Gr = -recent.a[n] / recent.Y[n][:, None].clamp_min(1e-30)
+        assert row["recent_gain"] == pytest.approx(cont.loss(n, every, _hard(Gr, k[n])).mean().item(), rel=1e-6)
+        assert row["gr"] >= row["oracle"] - 1e-7 and row["recent_gain"] >= row["oracle"] - 1e-7
+    plain = predictability(cont, prompt, k, n_folds=3, fraction=0.5, ridges=(0.1, 1.0), progress=False)
+    assert all(plain["mean"][m] == res["mean"][m] for m in plain["mean"])  # the other rows do not move
+    with pytest.raises(ValueError, match="recent statistics"):
+        predictability(cont, prompt, k, progress=False, recent=collect(model, dense, wins[:5, :16], 16,
+                                                                       progress=False))
+
+
 def test_predictability_checks_its_arguments(data):
     cont, prompt, k = data
     with pytest.raises(ValueError, match="folds"):
@@ -102,6 +123,7 @@ def test_cli_writes_json_and_refuses_bad_input(tmp_path, capsys):
     assert res["mean"]["oracle"] <= res["mean"]["static"]
     assert main(args + ["--fraction", "0", "--out", str(tmp_path / "x.json")]) == 2
     assert main(args + ["--neighbours", "0", "--out", str(tmp_path / "x.json")]) == 2
+    assert main(args + ["--recent", "17", "--out", str(tmp_path / "x.json")]) == 2  # longer than the prompt
     assert main(["--dense", str(MODEL), "--calib-text", str(tmp_path / "none.txt"), "--train-text", str(TEXT),
                  "--out", str(tmp_path / "y.json")]) == 2
     assert main(args + ["--windows", "100000", "--out", str(tmp_path / "z.json")]) == 2  # the text is too short
