@@ -91,6 +91,11 @@ def fold_neighbours(F: torch.Tensor, G: torch.Tensor, folds: torch.Tensor, n: in
     return out
 
 
+def gains(d: RouterData, n: str) -> torch.Tensor:
+    """Each component's relative layer-local gain −a/Y on `d`'s positions for matrix n (P, r), float64."""
+    return (-d.a[n] / d.Y[n][:, None].clamp_min(1e-30)).double()
+
+
 def predictability(cont: RouterData, prompt: RouterData, k: dict[str, int], n_folds: int = 5,
                    fraction: float = 0.5, ridges: tuple[float, ...] = RIDGES, seed: int = 0,
                    neighbours: tuple[int, ...] = NEIGHBOURS, progress: bool = True,
@@ -113,12 +118,12 @@ def predictability(cont: RouterData, prompt: RouterData, k: dict[str, int], n_fo
     rows = {}
     for n in tqdm(list(k), desc="predict gains", unit="matrix", disable=not progress):
         K = k[n]
-        G = (-cont.a[n] / cont.Y[n][:, None].clamp_min(1e-30)).double()  # (P, r) gains on the scored positions
-        Gp = (-prompt.a[n] / prompt.Y[n][:, None].clamp_min(1e-30)).double()  # (P, r) the prompt's own
+        G, Gp = gains(cont, n), gains(prompt, n)  # (P, r) on the scored positions, on the prompt's own
         x = cont.x[router_input(n)].double()  # (P, in)
         feats = [("x", x), ("gp", Gp), ("x+gp", torch.cat([x, Gp], 1))]
-        if recent is not None:
-            feats.append(("gr", (-recent.a[n] / recent.Y[n][:, None].clamp_min(1e-30)).double()))  # (P, r)
+        Gr = None if recent is None else gains(recent, n)  # (P, r) on the prompt's last positions
+        if Gr is not None:
+            feats.append(("gr", Gr))
 
         def loss(s: torch.Tensor) -> float:
             return cont.loss(n, every, _hard(s.float(), K)).mean().item()
@@ -130,8 +135,8 @@ def predictability(cont: RouterData, prompt: RouterData, k: dict[str, int], n_fo
             row[name] = min(loss(fold_predict(F, G, folds, lam)) for lam in ridges)
             row[f"{name} @{fraction:g}"] = min(loss(fold_predict(F, G, folds, lam, use)) for lam in ridges)
         row["x nearest"] = min(loss(fold_neighbours(x, G, folds, m)) for m in neighbours)
-        if recent is not None:
-            row["recent_gain"] = loss(feats[-1][1])  # the last positions' own top K, no regression
+        if Gr is not None:
+            row["recent_gain"] = loss(Gr)  # the last positions' own top K, no regression
         rows[n] = row
     names = list(next(iter(rows.values())))
     mean = {m: sum(r[m] for r in rows.values()) / len(rows) for m in names}
@@ -191,9 +196,10 @@ def main(argv: list[str] | None = None) -> int:
                    loss_from=train.loss_from)  # the positions `train-parse --loss-scope continuation` scores
     prompt = collect(model, dense, wins[:, :a.prompt_len], a.prompt_len, train.sample_tokens, train.collect_batch,
                      train.seed)
-    recent = None if not a.recent else collect(
-        model, dense, wins[:, :a.prompt_len], a.prompt_len, train.sample_tokens, train.collect_batch, train.seed,
-        loss_from=a.prompt_len - a.recent)
+    recent = None
+    if a.recent:
+        recent = collect(model, dense, wins[:, :a.prompt_len], a.prompt_len, train.sample_tokens, train.collect_batch,
+                         train.seed, loss_from=a.prompt_len - a.recent)
     res = predictability(cont, prompt, k, a.folds, a.fraction, neighbours=tuple(a.neighbours), recent=recent)
     cmd = "python -m rankserve.bench.parse_predictability " + " ".join(argv if argv is not None else sys.argv[1:])
     res = dict(command=cmd, base=a.base, keep=a.keep, window=a.window, prompt_len=a.prompt_len, recent=a.recent,

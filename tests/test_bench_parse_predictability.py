@@ -55,11 +55,17 @@ def test_a_fold_is_predicted_without_its_own_rows():
 
 
 @pytest.fixture(scope="module")
-def data():
+def pool():
     model, k, _ = build_pool(MODEL, "svd-llm", 0.6, TEXT, progress=False)
     dense_model, _ = load_checkpoint(MODEL, "cpu", torch.float32)
     dense = {n: l.dense_weight().detach() for n, l in dense_model.projections().items()}
     wins = sample_windows([TEXT], Tokenizer.load(MODEL), 60, 32, 0)
+    return model, dense, wins, k
+
+
+@pytest.fixture(scope="module")
+def data(pool):
+    model, dense, wins, k = pool
     cont = collect(model, dense, wins, 16, progress=False, loss_from=15)
     prompt = collect(model, dense, wins[:, :16], 16, progress=False)
     return cont, prompt, k
@@ -84,12 +90,9 @@ def test_predictors_lie_above_the_oracle(data):
                                 "x+gp", "x+gp @0.5", "x nearest"}
 
 
-def test_recent_gains_are_one_more_predictor_above_the_oracle(data):
+def test_recent_gains_are_one_more_predictor_above_the_oracle(pool, data):
     cont, prompt, k = data
-    wins = sample_windows([TEXT], Tokenizer.load(MODEL), 60, 32, 0)
-    model, _, _ = build_pool(MODEL, "svd-llm", 0.6, TEXT, progress=False)
-    dense_model, _ = load_checkpoint(MODEL, "cpu", torch.float32)
-    dense = {n: l.dense_weight().detach() for n, l in dense_model.projections().items()}
+    model, dense, wins, _ = pool
     recent = collect(model, dense, wins[:, :16], 16, progress=False, loss_from=12)  # the prompt's last 4 positions
     res = predictability(cont, prompt, k, n_folds=3, fraction=0.5, ridges=(0.1, 1.0), progress=False, recent=recent)
     assert {"gr", "gr @0.5", "recent_gain"} <= set(res["mean"])
